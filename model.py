@@ -1,0 +1,534 @@
+"""
+PRISM language model: Gated DeltaNet, PRISM and causal attention mixers in one file.
+
+Read top to bottom:
+  1. ModelConfig                 every knob, validated
+  2. the recurrence              delta_rule_naive (ground truth) / delta_rule_chunk / triton hook
+  3. mixers                      GatedDeltaNet -> PRISM (the solver write) ; Attention
+  4. Block, Model                pre-norm residual stack, loss, cache decoding, optimizer, MFU
+
+The PRISM update lives in one place: `PRISM.solver_write` (PRISM_SPEC.md §2). It turns the
+layer input into L-1 extra (key, value) pairs per token; the recurrence writes them into the
+state without erasing, next to GDN's own delta-rule write:
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T + sum_l ke_t^(l) ve_t^(l)^T
+"""
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. config
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 32000          # Mistral-7B-v0.1 SentencePiece
+    block_size: int = 2048           # training context; the recurrent mixers run at any length
+    n_layer: int = 12
+    n_head: int = 6
+    n_embd: int = 768
+    head_dim: int = 128              # key width per head (GDN/PRISM); attention uses n_embd // n_head
+    expand_v: float = 2.0            # value width per head = head_dim * expand_v (fla's GDN default)
+    mlp_hidden: int = 0              # SwiGLU width; 0 = 8/3 * n_embd rounded up to a multiple of 256
+    dropout: float = 0.0
+    bias: bool = False               # bias in the Linear layers
+    tie_embeddings: bool = True      # at 130M the 32000x768 table is 18% of the weights: share it
+    mixer: str = "prism"             # "gdn" | "prism" | "attention"
+    attn_layers: tuple = ()          # layer indices that use causal attention instead (hybrid)
+    backend: str = None              # "naive" | "chunk" | "triton"; None = triton on CUDA else chunk
+    chunk_size: int = 64
+    conv_size: int = 4               # causal depthwise conv on q, k, v
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    # PRISM solver (PRISM_SPEC.md §2.3); ignored unless mixer == "prism"
+    solver_steps: int = 3            # L; 1 = GDN exactly
+    solver_rank: int = 64            # r of the D -> r -> out projections from the anchor
+    solver_nonlinear: bool = True    # GELU in delta = GELU(p * r)
+    solver_anchor: bool = True       # anchor = silu(ShortConv(x)); False: silu(x), the token alone
+    solver_gain: bool = True         # contextual gain p from the anchor; False: p = 1
+    solver_keys: str = "own"         # "own" | "shared" | "base"
+    solver_mode: str = "gelu"        # "gelu" (Algorithm 1) | "linear" (closed form)
+    anchor_conv_size: int = 4
+
+    def __post_init__(self):
+        self.attn_layers = tuple(int(i) for i in self.attn_layers)
+        checks = [
+            (self.mixer in ("gdn", "prism", "attention"), "mixer must be 'gdn', 'prism' or 'attention'"),
+            (self.backend in (None, "naive", "chunk", "triton"), "backend must be None, 'naive', 'chunk' or 'triton'"),
+            (self.solver_keys in ("own", "shared", "base"), "solver_keys must be 'own', 'shared' or 'base'"),
+            (self.solver_mode in ("gelu", "linear"), "solver_mode must be 'gelu' or 'linear'"),
+            (self.solver_steps >= 1, "solver_steps must be >= 1"),
+            (self.n_embd % self.n_head == 0, "n_embd must be divisible by n_head"),
+            (all(0 <= i < self.n_layer for i in self.attn_layers), f"attn_layers must lie in [0, {self.n_layer})"),
+            (self.vocab_size > 0 and self.block_size > 0 and self.chunk_size > 0, "sizes must be positive"),
+            (float(self.head_dim * self.expand_v).is_integer(), "head_dim * expand_v must be an integer"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"ModelConfig: {msg} (got {self})")
+
+    @property
+    def value_dim(self):
+        return int(self.head_dim * self.expand_v)
+
+    def layer_mixer(self, i):
+        return "attention" if i in self.attn_layers else self.mixer
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. the recurrence: one function, three backends
+#
+#   q, k [B,T,H,K]  v [B,T,H,V]  g [B,T,H] log-decay (<= 0)  beta [B,T,H]
+#   ke [B,T,H,L-1,K]  ve [B,T,H,L-1,V] (already scaled by the step gates b^(l))
+#   state [B,H,K,V], float32 (float64 when the inputs are float64)
+
+def delta_rule_naive(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
+                     output_final_state=False):
+    """Token by token. The ground truth every other backend is tested against."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    S = q.new_zeros(B, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
+    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
+    ke = ke.to(acc) if ke is not None else None
+    ve = ve.to(acc) if ve is not None else None
+    out = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None, None]                                   # forget: a_t S
+        kS = torch.einsum("bhk,bhkv->bhv", k[:, t], S)                             # S^T k
+        u = beta[:, t, :, None] * (v[:, t] - kS)                                   # delta-rule value
+        S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], u)
+        if ke is not None:                                                         # solver writes
+            S = S + torch.einsum("bhlk,bhlv->bhkv", ke[:, t], ve[:, t])
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S))
+    o = torch.stack(out, 1).to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+def chunk_decay(g, C):
+    """Pad [B,T,H] log-decays to a multiple of C and return the in-chunk cumulative sums
+    [B,N,C,H]: G_t = sum_{s<=t} g_s. Padded tokens get g = 0 (no decay), so they leave the
+    state untouched. Shared by the chunk backend and the kernels' reference."""
+    B, T, H = g.shape
+    N = (T + C - 1) // C
+    g = F.pad(g, (0, 0, 0, N * C - T))
+    return g.view(B, N, C, H).cumsum(2)
+
+
+def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
+                     output_final_state=False, chunk_size=64):
+    """Chunk-parallel form of PRISM_SPEC §3 in PyTorch (autograd; any T; CPU or GPU).
+
+    Per chunk of C tokens with entering state S0, G = in-chunk cumulative log-decay:
+      (I + diag(b) A_kk) U = diag(b) (V - sum_l A_ke^(l) Ve^(l)) - diag(b exp(G)) K S0
+      O  = diag(exp(G)) Q S0 + (Gam * tril(Q K^T)) U + sum_l (Gam * tril(Q Ke^(l)^T)) Ve^(l)
+      S' = exp(G_C) S0 + [K; Ke]^T diag(exp(G_C - G)) [U; Ve]
+    The triangular solve is done for all chunks at once (the WY form U = Uh - W S0), so the
+    only sequential part is the cheap state pass.
+    """
+    B, T, H, K = q.shape
+    V, out_dtype = v.shape[-1], v.dtype
+    C = chunk_size
+    N = (T + C - 1) // C
+    scale = K ** -0.5 if scale is None else scale
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    pad = N * C - T
+
+    def chunks(x):  # [B,T,H,...] -> [B,H,N,C,...] in the accumulation dtype, zero padded
+        x = x.to(acc)
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+        x = x.view(B, N, C, H, *x.shape[3:])
+        return x.movedim(3, 1)
+
+    q, k, v, beta = chunks(q) * scale, chunks(k), chunks(v), chunks(beta)
+    G = chunk_decay(g.to(acc), C).movedim(3, 1)                      # [B,H,N,C]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal.tril(-1)
+    # Gam[t,i] = exp(G_t - G_i) for i <= t; masked before exp so it never overflows
+    diff = G[..., :, None] - G[..., None, :]
+    Gam = torch.where(causal, diff, diff.new_tensor(-math.inf)).exp()  # [B,H,N,C,C]
+
+    A_kk = (k @ k.transpose(-1, -2)) * Gam * strict
+    M = torch.eye(C, dtype=acc, device=q.device) + beta[..., None] * A_kk
+    rhs_v = v
+    A_qk = (q @ k.transpose(-1, -2)) * Gam * causal
+    o_inj = 0
+    if ke is not None:
+        ke, ve = chunks(ke), chunks(ve)                               # [B,H,N,C,L-1,*]
+        for l in range(ke.shape[-2]):
+            A_ke = (k @ ke[..., l, :].transpose(-1, -2)) * Gam * strict
+            rhs_v = rhs_v - A_ke @ ve[..., l, :]
+            o_inj = o_inj + ((q @ ke[..., l, :].transpose(-1, -2)) * Gam * causal) @ ve[..., l, :]
+    # WY form: U = Uh - W S0, both from one unit-lower-triangular solve per chunk
+    eG = G.exp()
+    Uh = torch.linalg.solve_triangular(M, beta[..., None] * rhs_v, upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(M, (beta * eG)[..., None] * k, upper=False, unitriangular=True)
+
+    decay_to_end = (G[..., -1:] - G).exp()                            # exp(G_C - G_i)
+    k_end = k * decay_to_end[..., None]
+    if ke is not None:
+        ke_end = ke * decay_to_end[..., None, None]
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
+    outs = []
+    for n in range(N):
+        U = Uh[:, :, n] - W[:, :, n] @ S
+        o = (q[:, :, n] * eG[:, :, n, :, None]) @ S + A_qk[:, :, n] @ U
+        if ke is not None:
+            o = o + o_inj[:, :, n]
+        outs.append(o)
+        S = S * eG[:, :, n, -1, None, None] + k_end[:, :, n].transpose(-1, -2) @ U
+        if ke is not None:
+            kn, vn = ke_end[:, :, n], ve[:, :, n]                     # [B,H,C,L-1,*]
+            S = S + kn.flatten(2, 3).transpose(-1, -2) @ vn.flatten(2, 3)
+    o = torch.stack(outs, 2).flatten(2, 3)[:, :, :T].transpose(1, 2)  # [B,T,H,V]
+    return o.to(out_dtype), (S if output_final_state else None)
+
+
+def delta_rule(q, k, v, g, beta, ke=None, ve=None, initial_state=None, output_final_state=False,
+               backend="chunk", chunk_size=64):
+    """Dispatch to a backend. One-token steps always take the naive path (it is the cheapest)."""
+    if backend == "naive" or q.shape[1] == 1:
+        return delta_rule_naive(q, k, v, g, beta, ke, ve, initial_state=initial_state,
+                                output_final_state=output_final_state)
+    if backend == "chunk":
+        return delta_rule_chunk(q, k, v, g, beta, ke, ve, initial_state=initial_state,
+                                output_final_state=output_final_state, chunk_size=chunk_size)
+    if backend == "triton":
+        from prism_kernel import chunk_prism
+        return chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
+                           output_final_state=output_final_state)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def default_backend(device):
+    if device.type == "cuda":
+        try:
+            import prism_kernel  # noqa: F401
+            return "triton"
+        except Exception:
+            pass
+    return "chunk"
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. mixers
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv over time. With a cache it continues from the last w-1 inputs."""
+
+    def __init__(self, channels, width):
+        super().__init__()
+        self.width = width
+        self.weight = nn.Parameter(torch.empty(channels, width))
+        nn.init.uniform_(self.weight, -1 / math.sqrt(width), 1 / math.sqrt(width))
+
+    def forward(self, x, cache=None, key=None):  # x [B,T,C]
+        w = self.width - 1
+        past = cache.get(key) if cache is not None else None
+        if past is None:
+            past = x.new_zeros(x.shape[0], w, x.shape[2])
+        xp = torch.cat([past.to(x.dtype), x], 1)
+        if cache is not None:
+            cache[key] = xp[:, xp.shape[1] - w:].detach()
+        y = F.conv1d(xp.transpose(1, 2), self.weight.to(x.dtype)[:, None, :], groups=x.shape[2])
+        return y.transpose(1, 2)
+
+
+class GatedDeltaNet(nn.Module):
+    """PRISM_SPEC §1. `solver_write` is the hook PRISM fills in; for GDN it writes nothing."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        D, H, K, V = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.value_dim
+        self.cfg, self.H, self.K, self.V = cfg, H, K, V
+        self.q_proj = nn.Linear(D, H * K, bias=cfg.bias)
+        self.k_proj = nn.Linear(D, H * K, bias=cfg.bias)
+        self.v_proj = nn.Linear(D, H * V, bias=cfg.bias)
+        self.a_proj = nn.Linear(D, H, bias=False)      # decay input
+        self.b_proj = nn.Linear(D, H, bias=False)      # delta-rule step size beta
+        self.g_proj = nn.Linear(D, H * V, bias=cfg.bias)  # output gate
+        self.o_proj = nn.Linear(H * V, D, bias=cfg.bias)
+        self.conv = ShortConv(2 * H * K + H * V, cfg.conv_size)  # depthwise: q|k|v channels apart
+        self.o_norm = nn.RMSNorm(V, eps=cfg.norm_eps)
+        # Mamba-2/GDN decay init: A ~ U(1, 16), dt ~ logU(1e-3, 1e-1) stored as softplus^-1(dt)
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+
+    def solver_write(self, x, k, v, cache=None):
+        return None, None
+
+    def forward(self, x, cache=None, backend="chunk"):
+        B, T, _ = x.shape
+        H, K, V = self.H, self.K, self.V
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        q, k, v = F.silu(self.conv(qkv, cache, "conv")).split([H * K, H * K, H * V], -1)
+        q = F.normalize(q.view(B, T, H, K), dim=-1)
+        k = F.normalize(k.view(B, T, H, K), dim=-1)
+        v = v.view(B, T, H, V)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        beta = self.b_proj(x).sigmoid()
+        ke, ve = self.solver_write(x, k, v, cache)
+        state = cache.get("state") if cache is not None else None
+        o, state = delta_rule(q, k, v, g, beta, ke, ve, initial_state=state,
+                              output_final_state=cache is not None, backend=backend,
+                              chunk_size=self.cfg.chunk_size)
+        if cache is not None:
+            cache["state"] = state.detach()
+        o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
+        return self.o_proj(o.reshape(B, T, H * V))
+
+
+class PRISM(GatedDeltaNet):
+    """PRISM_SPEC §2: GDN's forgetting and write, plus a rank-(L-1) solver correction computed
+    from the input alone (an anchor a_t = silu(ShortConv(x))_t standing in for S_{t-1} k_t)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        L, D, H, K, V, r = cfg.solver_steps, cfg.n_embd, self.H, self.K, self.V, cfg.solver_rank
+        self.L = L
+        if L == 1:
+            return  # GDN exactly: no extra parameters
+        n_keys = {"own": L - 1, "shared": 1, "base": 0}[cfg.solver_keys]
+        n_gains = L - 1 if cfg.solver_gain else 0
+        self.n_keys, self.n_gains = n_keys, n_gains
+        if cfg.solver_anchor:
+            self.anchor_conv = ShortConv(D, cfg.anchor_conv_size)
+        # all D -> r down-projections in one GEMM: [u | keys... | gains...]
+        self.solver_down = nn.Linear(D, (1 + n_keys + n_gains) * r, bias=False)
+        self.u_up = nn.Linear(r, H * V, bias=False)
+        self.key_up = nn.ModuleList(nn.Linear(r, H * K, bias=False) for _ in range(n_keys))
+        self.gain_up = nn.ModuleList(nn.Linear(r, H * V, bias=False) for _ in range(n_gains))
+        self.step_proj = nn.Linear(D, H * (L - 1), bias=False)   # b^(l), per head and step
+
+    def solver_write(self, x, k, v, cache=None):
+        """Returns ke [B,T,H,L-1,K] and ve = b * delta [B,T,H,L-1,V] (PRISM_SPEC §2.2)."""
+        if self.L == 1:
+            return None, None
+        cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
+        a = F.silu(self.anchor_conv(x, cache, "anchor") if cfg.solver_anchor else x)
+        z = self.solver_down(a).split(cfg.solver_rank, -1)
+        u = self.u_up(z[0]).view(B, T, H, V)                      # proxy of S_{t-1} k_t
+        r = v - u                                                 # residual after GDN's write
+        keys = [F.normalize(self.key_up[i](z[1 + i]).view(B, T, H, K), dim=-1)
+                for i in range(self.n_keys)]
+        gains = [self.gain_up[i](z[1 + self.n_keys + i]).view(B, T, H, V)
+                 for i in range(self.n_gains)]
+        b = self.step_proj(a).sigmoid().view(B, T, H, self.L - 1)
+        ke, deltas = [], []
+        for l in range(self.L - 1):
+            p = gains[l] if cfg.solver_gain else torch.ones_like(r)
+            if cfg.solver_mode == "gelu":
+                d = F.gelu(p * r) if cfg.solver_nonlinear else p * r
+            else:  # closed form: preconditioner sigmoid(p), r <- (1 - sigmoid(p)) r
+                d = torch.sigmoid(p) * r
+            r = r - d                                             # greedy residual subtraction
+            deltas.append(d)
+            ke.append({"own": keys[l] if self.n_keys > l else None,
+                       "shared": keys[0] if self.n_keys else None, "base": k}[cfg.solver_keys])
+        ke = torch.stack(ke, 3)
+        ve = torch.stack(deltas, 3) * b[..., None]
+        return ke.to(v.dtype), ve.to(v.dtype)
+
+
+def rope(x, pos, theta):
+    """Rotary embedding on [B,T,H,D] at integer positions pos [T] (half-split convention)."""
+    D = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    ang = pos.float()[:, None] * inv[None]
+    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
+    x1, x2 = x.float().chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal softmax attention with RoPE; FlashAttention when importable, else SDPA."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg, self.H, self.hd = cfg, cfg.n_head, cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x, cache=None, backend=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.H, self.hd).unbind(2)
+        past = cache["k"].shape[1] if cache is not None and "k" in cache else 0
+        pos = torch.arange(past, past + T, device=x.device)
+        q, k = rope(q, pos, self.cfg.rope_theta), rope(k, pos, self.cfg.rope_theta)
+        if cache is not None:
+            if past:
+                k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
+            cache["k"], cache["v"] = k.detach(), v.detach()
+        y = None
+        if _flash_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            y = _flash_attn(q, k, v, causal=True)  # bottom-right aligned: right for a cache too
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            if past == 0:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # queries sit at the end of the keys: bottom-right causal mask
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = y.transpose(1, 2)
+        return self.o_proj(y.reshape(B, T, D))
+
+
+try:
+    from flash_attn import flash_attn_func as _flash_attn
+except Exception:
+    _flash_attn = None
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. the model
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        hidden = cfg.mlp_hidden or 256 * math.ceil(8 * cfg.n_embd / 3 / 256)
+        self.w_gate = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.w_up = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.w_down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+MIXERS = {"gdn": GatedDeltaNet, "prism": PRISM, "attention": Attention}
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, i):
+        super().__init__()
+        self.mixer_name = cfg.layer_mixer(i)
+        self.norm1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mixer = MIXERS[self.mixer_name](cfg)
+        self.norm2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cache=None, backend="chunk"):
+        x = x + self.drop(self.mixer(self.norm1(x), cache, backend))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if isinstance(config, dict):
+            config = ModelConfig(**config)
+        self.config = cfg = config
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm_f = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "w_down.weight")):
+                nn.init.normal_(p, 0.0, cfg.init_std / math.sqrt(2 * cfg.n_layer))
+
+    def _init_weights(self, m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0.0, self.config.init_std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, self.config.init_std)
+
+    def num_params(self, non_embedding=True):
+        """Unique parameters (a tied head counts once). non_embedding drops the token table."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wte.weight.numel()
+        return n
+
+    @property
+    def backend(self):
+        b = self.config.backend
+        return b if b is not None else default_backend(self.wte.weight.device)
+
+    def forward(self, idx, targets=None, cache=None):
+        """Logits for every position. With `cache` (from init_cache) the call continues the
+        sequence held in the cache: recurrent state and conv buffers, or the KV cache."""
+        if not torch.compiler.is_compiling() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        x = self.drop(self.wte(idx))
+        backend = self.backend
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache[i], backend)
+        logits = self.lm_head(self.norm_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                                   ignore_index=-1)
+        return logits, loss
+
+    def init_cache(self, batch_size=None):
+        """One dict per layer, filled lazily by the mixers (state S + conv buffers, or K/V).
+        GDN/PRISM memory stays constant in the sequence length."""
+        return [dict() for _ in self.blocks]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        cache = self.init_cache(idx.shape[0])
+        logits, _ = self(idx, cache=cache)
+        for _ in range(max_new_tokens):
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                nxt = torch.multinomial(F.softmax(logits, -1), 1)
+            idx = torch.cat([idx, nxt], 1)
+            logits, _ = self(nxt, cache=cache)
+        return idx
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        # decay matrices only: norms, biases, A_log and dt_bias (all 1-D) stay undecayed
+        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
+        decay = [p for p in params.values() if p.dim() >= 2]
+        no_decay = [p for p in params.values() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        fused = device_type == "cuda"
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    def flops_per_token(self, T=None):
+        """Training FLOPs per token (forward + backward = 3x forward).
+        Matmuls: 6 N (N includes the LM head once). Mixers, per layer and token:
+        attention 2*2*T*D/2 (causal QK^T and AV); GDN/PRISM chunk form with C-token chunks and
+        L write rows per token: intra-chunk C*(K(L+1) + V L)/2... approximated as
+        2*(C*K*L + C*V*L + 3*K*V*L) per head."""
+        cfg = self.config
+        T = T or cfg.block_size
+        N = self.num_params(non_embedding=False)
+        fwd = 2 * N
+        for b in self.blocks:
+            if b.mixer_name == "attention":
+                fwd += 2 * T * cfg.n_embd        # QK^T + AV under a causal mask (half of 4TD)
+            else:
+                L = cfg.solver_steps if b.mixer_name == "prism" else 1
+                C, K, V = cfg.chunk_size, cfg.head_dim, cfg.value_dim
+                fwd += cfg.n_head * 2 * (C * K * L + C * V * L + 3 * K * V * L)
+        return 3 * fwd
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=989e12):
+        """Model FLOPs utilisation; peak = H100/H200 dense bf16 (989 TFLOP/s)."""
+        T = self.config.block_size
+        flops = self.flops_per_token(T) * T * fwdbwd_per_iter
+        return flops / dt / peak_flops
