@@ -269,9 +269,10 @@ class GatedDeltaNet(nn.Module):
         H, K, V = self.H, self.K, self.V
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         q, k, v = F.silu(self.conv(qkv, cache, "conv")).split([H * K, H * K, H * V], -1)
-        q = F.normalize(q.view(B, T, H, K), dim=-1)
-        k = F.normalize(k.view(B, T, H, K), dim=-1)
         v = v.view(B, T, H, V)
+        # autocast runs normalisation in float32; hand the recurrence one dtype
+        q = F.normalize(q.view(B, T, H, K), dim=-1).to(v.dtype)
+        k = F.normalize(k.view(B, T, H, K), dim=-1).to(v.dtype)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
         ke, ve = self.solver_write(x, k, v, cache)
@@ -375,7 +376,9 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:  # queries sit at the end of the keys: bottom-right causal mask
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                # cuDNN's attention re-plans for every new key length (~3 ms a call): skip it
+                with sdpa_kernel(DECODE_SDPA):
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             y = y.transpose(1, 2)
         return self.o_proj(y.reshape(B, T, D))
 
@@ -384,6 +387,8 @@ try:
     from flash_attn import flash_attn_func as _flash_attn
 except Exception:
     _flash_attn = None
+from torch.nn.attention import SDPBackend, sdpa_kernel
+DECODE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 # ----------------------------------------------------------------------------------------------
