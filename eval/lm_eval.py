@@ -1,0 +1,389 @@
+"""
+Score a checkpoint with lm-evaluation-harness (its own API and task definitions).
+
+    python eval/lm_eval.py --ckpt out/prism_130m/ckpt.pt                    # all default tasks
+    python eval/lm_eval.py --ckpt out/prism_130m/ckpt.pt --tasks wikitext,lambada_openai --limit 200
+    python eval/compare.py out/*/eval.json                                 # side by side
+
+Default tasks: wikitext (word perplexity), lambada_openai (perplexity and accuracy) and the
+zero-shot set lambada_openai, piqa, hellaswag, winogrande, arc_easy, arc_challenge, boolq,
+openbookqa, sciq. Results go to --output (default: eval.json next to the checkpoint) together
+with a markdown table in the paper's layout (also printed, and written next to it as .md).
+
+Why a registered lm-eval `LM` subclass and not a transformers export: our model is one
+nn.Module with its own recurrent cache and kernels. An export would need a transformers
+config + modeling class kept in sync with model.py (or trust_remote_code), and lm-eval's HFLM
+would then drive it through generic code paths (attention masks, padding side, KV-cache
+objects) that do not fit a recurrent state. The adapter below is ~200 lines, calls model.py
+directly, and reuses lm-eval's own pieces where the scoring rules live (TemplateLM's
+context/continuation split, get_rolling_token_windows / make_disjoint_window), so the numbers
+follow HFLM's conventions exactly:
+  * a request (context, continuation) is scored as HFLM scores causal models: trailing spaces
+    of the context move to the continuation, context+continuation is encoded as a whole and
+    split at len(encode(context)); the input is (ctx+cont)[-(max_length+1):][:-1]; the result is
+    the sum of the continuation's log-probs and whether greedy argmax reproduces it exactly;
+  * every encoded text starts with the document-start token (prefix_token_id, by default the
+    tokenizer's end-of-document token: train.bin separates documents with it, so that is what
+    the model saw before each document). HFLM does the same with Mistral's BOS. An empty context
+    becomes just that token;
+  * loglikelihood_rolling (perplexity) splits a document into lm-eval's disjoint windows of
+    max_length (= block_size) tokens, the first conditioned on the document-start token.
+Requests are sorted by length (longest first, as HFLM) and batched with right padding: the model
+is causal, so padding after a sequence cannot change the logits of its positions (tested). On
+CUDA the forward runs under bf16 autocast and the scored positions' logits are recomputed in
+float32 from the final hidden state; log-softmax is always float32, sums float64.
+generate_until decodes greedily through the model's cache (model.init_cache / model(x, cache=)).
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from contextlib import ExitStack, nullcontext
+
+_EVAL_DIR = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_EVAL_DIR)
+# Run as a script, this folder is sys.path[0] and this very file would shadow the lm_eval package.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _EVAL_DIR]
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from lm_eval import simple_evaluate, utils as lm_utils  # noqa: E402
+from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.api.registry import register_model  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from eval.compare import results_table  # noqa: E402
+
+DEFAULT_TASKS = ["wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy",
+                 "arc_challenge", "boolq", "openbookqa", "sciq"]
+
+
+@register_model("prism")
+class PrismLM(TemplateLM):
+    """lm-eval LM over a model.py Model (or anything with .config.block_size and
+    forward(idx) -> (logits [B,T,V], _)) and any tokenizer with encode/decode/eos_id.
+
+    Registered as "prism": code that imports this module can also call
+    simple_evaluate(model="prism", model_args="ckpt=PATH,batch_size=64", tasks=[...]).
+    """
+
+    def __init__(self, model=None, tokenizer=None, ckpt=None, device=None, batch_size=64,
+                 max_length=None, dtype="bfloat16", add_prefix=True, prefix_token_id=None,
+                 max_gen_toks=256, backend=None, tokenizer_path=None):
+        super().__init__()
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if model is None:
+            if ckpt is None:
+                raise ValueError("PrismLM needs a model or a ckpt path")
+            from sample import load_checkpoint
+            model, _ = load_checkpoint(ckpt, device, backend=backend)
+        if tokenizer is None:
+            from tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(tokenizer_path)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab is not None and tokenizer.vocab_size > vocab:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}")
+        self.model = model.eval().to(device)
+        self.tokenizer = tokenizer
+        self._device = torch.device(device)
+        self.batch_size = int(batch_size)
+        self._max_length = int(max_length or model.config.block_size)
+        self.add_prefix = add_prefix if isinstance(add_prefix, bool) else str(add_prefix) == "True"
+        self._prefix = tokenizer.eos_id if prefix_token_id is None else int(prefix_token_id)
+        if not 0 <= self._prefix < (vocab or tokenizer.vocab_size):
+            raise ValueError(f"prefix token id {self._prefix} outside the vocabulary")
+        self.max_gen_toks = int(max_gen_toks)
+        self.autocast_dtype = None
+        if self._device.type == "cuda" and dtype not in (None, "float32"):
+            self.autocast_dtype = getattr(torch, dtype)
+        # float32 head over the scored rows needs the final hidden state: hook model.norm_f
+        self._fp32_head = (self.autocast_dtype is not None and hasattr(model, "norm_f")
+                           and hasattr(model, "lm_head") and model.lm_head.bias is None)
+        self._hidden = None
+        if self._fp32_head:
+            model.norm_f.register_forward_hook(lambda m, i, o: setattr(self, "_hidden", o))
+        self.tokens_scored = 0  # continuation tokens scored, for throughput numbers
+
+    # ---- what TemplateLM needs
+    @property
+    def eot_token_id(self):
+        return self.tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self):
+        return self._prefix
+
+    @property
+    def max_length(self):
+        return self._max_length
+
+    @property
+    def tokenizer_name(self):
+        return str(getattr(self.tokenizer, "name", type(self.tokenizer).__name__))
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+        ids = list(self.tokenizer.encode(string))
+        add = self.add_prefix if add_special_tokens is None else add_special_tokens
+        return [self._prefix] + ids if add else ids
+
+    def tok_decode(self, tokens, **kwargs):
+        return self.tokenizer.decode(list(tokens))
+
+    def _autocast(self):
+        """bf16 autocast on CUDA, and SDPA kept off cuDNN attention: that backend builds a new
+        plan for every sequence length (~3 ms per layer call on the H200), and the lengths here
+        change with every batch and every decoding step."""
+        if self._device.type != "cuda":
+            return nullcontext()
+        stack = ExitStack()
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast("cuda", dtype=self.autocast_dtype))
+        stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                         SDPBackend.MATH]))
+        return stack
+
+    # ---- scoring
+    @torch.no_grad()
+    def _score_batch(self, items):
+        """items: list of (input tokens, continuation tokens) whose continuation is the tail of
+        the input's next-token targets. Returns [(sum log p(cont), greedy), ...]."""
+        T = max(len(inp) for inp, _ in items)
+        if self._device.type == "cuda":  # few distinct shapes: kernels compile/tune once per shape
+            T = -(-T // 64) * 64
+        x = torch.full((len(items), T), self.eot_token_id, dtype=torch.long)
+        rows, cols, tgt = [], [], []
+        for i, (inp, cont) in enumerate(items):
+            x[i, :len(inp)] = torch.tensor(inp, dtype=torch.long)  # right padding
+            rows += [i] * len(cont)
+            cols += range(len(inp) - len(cont), len(inp))
+            tgt += cont
+        dev = self._device
+        rows = torch.tensor(rows, device=dev)
+        cols = torch.tensor(cols, device=dev)
+        tgt = torch.tensor(tgt, device=dev)
+        with self._autocast():
+            logits, _ = self.model(x.to(dev))
+        if self._fp32_head:
+            sel_h, W = self._hidden[rows, cols].float(), self.model.lm_head.weight.float()
+            self._hidden = None
+        else:
+            sel = logits[rows, cols]
+        logp, hit = [], []
+        step = 4096  # rows of the [N, vocab] float32 log-softmax at a time
+        for s in range(0, len(tgt), step):
+            z = F.linear(sel_h[s:s + step], W) if self._fp32_head else sel[s:s + step].float()
+            lp = F.log_softmax(z, -1)
+            logp.append(lp.gather(1, tgt[s:s + step, None])[:, 0])
+            hit.append(lp.argmax(-1) == tgt[s:s + step])
+        logp, hit = torch.cat(logp).double(), torch.cat(hit)
+        sums = torch.zeros(len(items), dtype=torch.float64, device=dev).index_add_(0, rows, logp)
+        miss = torch.zeros(len(items), dtype=torch.long, device=dev).index_add_(0, rows, (~hit).long())
+        self.tokens_scored += len(tgt)
+        return list(zip(sums.tolist(), (miss == 0).tolist()))
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+        """requests: [(request strings or None, context tokens, continuation tokens)]."""
+        items = []
+        for req, ctx, cont in requests:
+            if not cont:
+                raise ValueError(f"empty continuation after tokenization: {req!r}")
+            if len(cont) > self.max_length:
+                raise ValueError(f"continuation of {len(cont)} tokens exceeds max_length "
+                                 f"{self.max_length}: {req!r}")
+            if not ctx:
+                raise ValueError(f"empty context tokens (missing prefix token?): {req!r}")
+            items.append(((ctx + cont)[-(self.max_length + 1):][:-1], cont))
+        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))  # longest first
+        res = [None] * len(items)
+        pbar = tqdm(total=len(items), disable=disable_tqdm, desc="loglikelihood", unit="req")
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b:b + self.batch_size]
+            for i, r in zip(idx, self._score_batch([items[i] for i in idx])):
+                res[i] = r
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], r)
+            pbar.update(len(idx))
+        pbar.close()
+        return res
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        windows, owner = [], []
+        for n, req in enumerate(requests):
+            (string,) = req.args
+            toks = self.tok_encode(string, add_special_tokens=False)
+            for ctx, cont in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+                    token_list=toks, prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, ctx, cont))
+                owner.append(n)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        total = [0.0] * len(requests)
+        for n, (ll, _) in zip(owner, scores):
+            total[n] += ll
+        for req, ll in zip(requests, total):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, ll)
+        return total
+
+    # ---- generation (greedy unless the task asks to sample), through the recurrent cache
+    @torch.no_grad()
+    def _decode(self, contexts, max_new, until, temperature):
+        """contexts: equal-length token lists. Returns the generated token lists (without EOS)."""
+        x = torch.tensor(contexts, dtype=torch.long, device=self._device)
+        cache = self.model.init_cache(len(contexts))
+        gen, done = [[] for _ in contexts], [False] * len(contexts)
+        with self._autocast():
+            logits = self.model(x, cache=cache)[0][:, -1].float()
+            for _ in range(max_new):
+                if temperature > 0:
+                    nxt = torch.multinomial(F.softmax(logits / temperature, -1), 1)[:, 0]
+                else:
+                    nxt = logits.argmax(-1)
+                for i, t in enumerate(nxt.tolist()):
+                    if done[i]:
+                        continue
+                    if t == self.eot_token_id:
+                        done[i] = True
+                        continue
+                    gen[i].append(t)
+                    if until and any(u in self.tok_decode(gen[i]) for u in until):
+                        done[i] = True
+                if all(done):
+                    break
+                logits = self.model(nxt[:, None], cache=cache)[0][:, -1].float()
+        return gen
+
+    def generate_until(self, requests, disable_tqdm=False):
+        jobs = {}
+        for n, req in enumerate(requests):
+            context, kw = req.args
+            kw = dict(kw or {})
+            until = kw.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kw.get("max_gen_toks", kw.get("max_new_tokens", self.max_gen_toks)))
+            temp = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
+            if max_new >= self.max_length:
+                raise ValueError(f"max_gen_toks {max_new} must be < max_length {self.max_length}")
+            ctx = self.tok_encode(context)[-(self.max_length - max_new):]
+            jobs.setdefault((len(ctx), max_new, tuple(until), temp), []).append((n, ctx))
+        out = [None] * len(requests)
+        pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until", unit="req")
+        for (_, max_new, until, temp), items in jobs.items():
+            for b in range(0, len(items), self.batch_size):
+                chunk = items[b:b + self.batch_size]
+                for (n, _), toks in zip(chunk, self._decode([c for _, c in chunk], max_new, until, temp)):
+                    s = self.tok_decode(toks)
+                    for u in until:  # cut at the first stop string, as HFLM does
+                        s = s.split(u)[0]
+                    out[n] = s
+                    self.cache_hook.add_partial("generate_until", requests[n].args, s)
+                pbar.update(len(chunk))
+        pbar.close()
+        return out
+
+
+def evaluate(lm, tasks, include_path=None, include_defaults=True, limit=None, log_samples=False,
+             bootstrap_iters=1000):
+    """Run lm-eval's simple_evaluate on our LM; returns lm-eval's results dict."""
+    tm = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    unknown = [t for t in tasks if t not in tm.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {unknown}; check --tasks / --include_path")
+    return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                           log_samples=log_samples, bootstrap_iters=bootstrap_iters)
+
+
+def _atomic_write(path, text):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _parse_limit(s):
+    if s is None:
+        return None
+    v = float(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError("--limit must be > 0")
+    return int(v) if v >= 1 and v.is_integer() else v
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="score a checkpoint with lm-evaluation-harness")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma list of lm-eval tasks")
+    p.add_argument("--include_path", default=None, help="extra folder of task YAMLs")
+    p.add_argument("--only_include_path", action="store_true",
+                   help="index only --include_path tasks (skips lm-eval's ~15 s scan of its own)")
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--limit", type=_parse_limit, default=None,
+                   help="examples per task (a fraction if < 1); for smoke tests only")
+    p.add_argument("--output", default=None, help="results JSON (default: eval.json beside --ckpt)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="autocast dtype on CUDA (CPU runs float32)")
+    p.add_argument("--max_length", type=int, default=None, help="context window (default block_size)")
+    p.add_argument("--backend", default=None, choices=["naive", "chunk", "triton"])
+    p.add_argument("--no_prefix", action="store_true",
+                   help="do not start every request with the document-start token")
+    p.add_argument("--prefix_id", type=int, default=None,
+                   help="document-start token id (default: the tokenizer's EOS, train.bin's separator)")
+    p.add_argument("--bootstrap_iters", type=int, default=1000, help="for stderr; 0 = none")
+    p.add_argument("--log_samples", action="store_true", help="keep per-example records in the JSON")
+    p.add_argument("--label", default=None, help="row label in the table (default: ckpt folder)")
+    args = p.parse_args(argv)
+    if args.batch_size < 1:
+        p.error("--batch_size must be >= 1")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        p.error("--tasks is empty")
+    if args.only_include_path and not args.include_path:
+        p.error("--only_include_path needs --include_path")
+
+    lm = PrismLM(ckpt=args.ckpt, device=args.device, batch_size=args.batch_size,
+                 max_length=args.max_length, dtype=args.dtype, add_prefix=not args.no_prefix,
+                 prefix_token_id=args.prefix_id, backend=args.backend, tokenizer_path=args.tokenizer)
+    t0 = time.time()
+    out = evaluate(lm, tasks, include_path=args.include_path,
+                   include_defaults=not args.only_include_path, limit=args.limit,
+                   log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters)
+    elapsed = time.time() - t0
+    label = args.label or os.path.basename(os.path.dirname(os.path.abspath(args.ckpt)))
+    table = results_table([(label, out["results"])])
+    record = {
+        "label": label, "ckpt": os.path.abspath(args.ckpt), "tasks": tasks, "limit": args.limit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if lm.device.type == "cuda" else "cpu",
+        "dtype": args.dtype if lm.device.type == "cuda" else "float32",
+        "batch_size": args.batch_size, "max_length": lm.max_length, "elapsed_s": round(elapsed, 1),
+        "tokens_scored": lm.tokens_scored, "model_args": dict(vars(lm.model.config)),
+        "results": out["results"], "versions": out.get("versions"), "n-shot": out.get("n-shot"),
+        "higher_is_better": out.get("higher_is_better"), "table": table,
+    }
+    if args.log_samples:
+        record["samples"] = out.get("samples")
+    path = args.output or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
+    _atomic_write(path, json.dumps(record, indent=2, default=lm_utils.handle_non_serializable))
+    _atomic_write(os.path.splitext(path)[0] + ".md", table)
+    print(lm_utils.make_table(out))
+    print(table)
+    print(f"wrote {path} ({elapsed:.0f} s, {lm.tokens_scored / max(elapsed, 1e-9):,.0f} scored tok/s)")
+    return record
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:  # bad input: the message, not a traceback
+        sys.exit(f"error: {e}")

@@ -1,0 +1,150 @@
+"""
+Sample from a trained model (nanoGPT's sample.py, with flags instead of exec'd overrides).
+
+    python sample.py --ckpt out/prism_130m/ckpt.pt --start "The meaning of life is" \
+        --num_samples 3 --max_new_tokens 200 --temperature 0.8 --top_k 200
+
+--start is the prompt text, or FILE:path to read it from a file. Every sample starts with the
+document-start token (the end-of-document token that separates documents in train.bin), so an
+empty prompt samples a fresh document. Decoding runs through the model's cache: GDN/PRISM layers
+carry their state S and convolution buffers (constant memory in the length), attention layers a
+KV cache. Text is decoded with the Mistral tokenizer (tokenizer.py; --tokenizer overrides).
+
+load_checkpoint() is shared with eval/lm_eval.py.
+"""
+import argparse
+import os
+import sys
+from contextlib import ExitStack
+
+import torch
+
+from model import Model, ModelConfig
+
+
+def _fail(path, why):
+    raise ValueError(f"checkpoint {path}: {why}")
+
+
+def load_checkpoint(path, device="cpu", backend=None):
+    """Load a nanoGPT-style checkpoint into an eval-mode Model on `device`.
+
+    Reads with torch.load(weights_only=True): a checkpoint is tensors plus plain Python values,
+    so nothing in it needs arbitrary unpickling. Strips the '_orig_mod.' (torch.compile) and
+    'module.' (DDP) prefixes. `backend` overrides the stored recurrence backend; a checkpoint
+    trained with the Triton backend falls back to 'chunk' off CUDA. Returns (model, ckpt) where
+    ckpt is the checkpoint dict without the weights and optimizer state.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, wrong file, or a type weights_only refuses
+        _fail(path, f"cannot be read as a torch checkpoint ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); is the file corrupt or truncated?")
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
+        _fail(path, f"expected a dict with 'model' and 'model_args', got {keys}")
+
+    args = dict(ckpt["model_args"])
+    if backend is not None:
+        args["backend"] = backend
+    elif args.get("backend") == "triton" and not str(device).startswith("cuda"):
+        args["backend"] = "chunk"
+    try:
+        config = ModelConfig(**args)
+    except (TypeError, ValueError) as e:
+        _fail(path, f"model_args do not fit this model.py: {e}")
+
+    state = {}
+    for k, v in ckpt["model"].items():
+        for prefix in ("_orig_mod.", "module."):
+            while k.startswith(prefix):
+                k = k[len(prefix):]
+        state[k] = v
+    model = Model(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        _fail(path, f"weights do not match model_args: missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
+                    f", unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    for k, v in state.items():
+        if v.shape != expected[k].shape:
+            _fail(path, f"tensor {k} has shape {tuple(v.shape)}, model_args imply {tuple(expected[k].shape)}")
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            _fail(path, f"tensor {k} contains NaN or Inf")
+    model.load_state_dict(state)
+    model.eval().to(device)
+    meta = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
+    return model, meta
+
+
+def check_vocab(tokenizer, model):
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                         f"{model.config.vocab_size}: wrong --tokenizer for this checkpoint?")
+
+
+def read_prompt(start):
+    if start.startswith("FILE:"):
+        with open(start[5:], encoding="utf-8") as f:
+            return f.read()
+    return start
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt)")
+    p.add_argument("--start", default="", help="prompt text, or FILE:path")
+    p.add_argument("--num_samples", type=int, default=3)
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=200, help="0 = no top-k cut")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="autocast dtype on CUDA (CPU always runs float32)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's)")
+    args = p.parse_args(argv)
+    if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+        p.error("num_samples and max_new_tokens must be >= 1, temperature and top_k >= 0")
+
+    from tokenizer import load_tokenizer
+    torch.manual_seed(args.seed)
+    torch.cuda.manual_seed(args.seed)
+    model, _ = load_checkpoint(args.ckpt, args.device)
+    tok = load_tokenizer(args.tokenizer)
+    check_vocab(tok, model)
+    ctx = ExitStack()
+    if "cuda" in args.device:
+        if args.dtype != "float32":
+            ctx.enter_context(torch.autocast("cuda", dtype=getattr(torch, args.dtype)))
+        # keep SDPA off cuDNN attention: it re-plans for every new KV length (~3 ms per layer step)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        ctx.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                       SDPBackend.MATH]))
+
+    ids = [tok.eos_id] + tok.encode(read_prompt(args.start))
+    if len(ids) + args.max_new_tokens > model.config.block_size and \
+            any(b.mixer_name == "attention" for b in model.blocks):
+        print(f"note: generating past block_size={model.config.block_size}; attention layers "
+              "were not trained at these positions", file=sys.stderr)
+    x = torch.tensor([ids], dtype=torch.long, device=args.device)
+    with ctx:
+        for _ in range(args.num_samples):
+            with torch.no_grad():
+                y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
+                                   top_k=args.top_k or None)
+            out = y[0, 1:].tolist()  # drop the document-start token
+            if tok.eos_id in out[len(ids) - 1:]:  # stop at the end of the document
+                out = out[:out.index(tok.eos_id, len(ids) - 1)]
+            print(tok.decode(out))
+            print("---------------")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:  # bad input: the message, not a traceback
+        sys.exit(f"error: {e}")
