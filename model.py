@@ -219,6 +219,13 @@ def default_backend(device):
 # ----------------------------------------------------------------------------------------------
 # 3. mixers
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose weight follows the input's dtype, so bf16 autocast keeps the fused kernel."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 class ShortConv(nn.Module):
     """Causal depthwise conv over time. With a cache it continues from the last w-1 inputs."""
 
@@ -255,7 +262,7 @@ class GatedDeltaNet(nn.Module):
         self.g_proj = nn.Linear(D, H * V, bias=cfg.bias)  # output gate
         self.o_proj = nn.Linear(H * V, D, bias=cfg.bias)
         self.conv = ShortConv(2 * H * K + H * V, cfg.conv_size)  # depthwise: q|k|v channels apart
-        self.o_norm = nn.RMSNorm(V, eps=cfg.norm_eps)
+        self.o_norm = RMSNorm(V, eps=cfg.norm_eps)
         # Mamba-2/GDN decay init: A ~ U(1, 16), dt ~ logU(1e-3, 1e-1) stored as softplus^-1(dt)
         self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
         dt = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
@@ -413,9 +420,9 @@ class Block(nn.Module):
     def __init__(self, cfg, i):
         super().__init__()
         self.mixer_name = cfg.layer_mixer(i)
-        self.norm1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.norm1 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mixer = MIXERS[self.mixer_name](cfg)
-        self.norm2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.norm2 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -433,7 +440,7 @@ class Model(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.norm_f = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.norm_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight

@@ -1,7 +1,10 @@
-# Tiny PRISM for demos on a laptop CPU: 150 steps in under a minute on one core (the 32000-way
-# output layer is most of the compute at this size).
-# Data: any small text through the data script, e.g.
-#   python data/prepare_slimpajama.py --data_files 'some.txt' --out_dir=data/tiny --tokens=1000000 --val_tokens=100000
+# Tiny PRISM for demos on a CPU: runs end to end in about a minute, no model hub.
+# Data: any small text through the data script, e.g. the English docs that ship with Python:
+#   python -c "from pydoc_data.topics import topics; open('pydoc.txt','w').write('\n\n'.join(topics.values()))"
+#   python data/prepare_slimpajama.py --data_files pydoc.txt --tokens all --val_tokens all --val_fraction 0.05 --out_dir data/tiny
+#   python train.py config/tiny_cpu.py
+# Mistral vocab (32000) so that the prepared data fits; the token table is most of the 2.2M weights.
+out_dir=data/tiny --tokens=1000000 --val_tokens=100000
 #   python train.py config/tiny_cpu.py
 # Mistral vocab (32000) so that the prepared data fits; the token table is most of the 2.3M weights.
 out_dir = "out/tiny_cpu"
