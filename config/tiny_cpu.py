@@ -4,9 +4,6 @@
 #   python data/prepare_slimpajama.py --data_files pydoc.txt --tokens all --val_tokens all --val_fraction 0.05 --out_dir data/tiny
 #   python train.py config/tiny_cpu.py
 # Mistral vocab (32000) so that the prepared data fits; the token table is most of the 2.2M weights.
-out_dir=data/tiny --tokens=1000000 --val_tokens=100000
-#   python train.py config/tiny_cpu.py
-# Mistral vocab (32000) so that the prepared data fits; the token table is most of the 2.3M weights.
 out_dir = "out/tiny_cpu"
 dataset = "tiny"
 

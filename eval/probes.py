@@ -1,8 +1,8 @@
 """
 Synthetic mechanistic probes (the PRISM paper's Table 4), small models trained from scratch.
 
-    python eval/probes.py --setting paper --seeds 0 1 2 --device cuda --workers 2 --streams 16 \
-        --out bench/results/probes_paper_h200.json          # the full grid on one GPU
+    python eval/probes.py --setting paper --seeds 0 1 2 --device cuda --ensemble 9 --streams 27 \
+        --budget_s 400 --out bench/results/probes_paper_h200.json   # the full grid, one GPU
     python eval/probes.py --tasks parity mux --models paper-probe-LA paper-probe-PRISM prism \
         --seeds 0 --steps 2000 --device cpu                    # a small CPU look
 
@@ -75,15 +75,17 @@ batch 32, 10k steps, AdamW (lr 1e-3, weight decay 1e-4 on all parameters, consta
 gradient clipping 5.0, 8000 test samples. --setting paper_text = what the paper's text says
 instead (vocab 64, width 16 and length 128 for every task). Flags override steps/batch etc.
 
-How it runs fast. Each run keeps its data and losses on the device and reads nothing back
-until the end (accuracy at the end, and at --eval_every checkpoints, read once). On CUDA the
-whole training step (forward, backward, clipping, fused AdamW) is captured once as a CUDA graph
-and replayed (one launch per step; --no_graph turns it off; a failed capture falls back to eager
-mode and says so in the row). --streams K steps K runs in turn inside one process, each on its
-own CUDA stream, so their tiny kernels overlap on the GPU; --workers N runs N such processes.
-Rows are written to --out (atomically) after every finished group; --resume skips (task, model,
-seed, steps, setting) rows already there and --budget_s stops starting new groups, so a grid can
-be run in pieces.
+How it runs fast (tiny models are launch-bound on a GPU). Each run keeps data and losses on
+the device and reads nothing back until the end (accuracy at the end and at --eval_every
+checkpoints). --ensemble E trains up to E (task, seed) members of one model kind and shape as
+one stacked model (torch.func.vmap): every kernel serves all of them. On CUDA the whole
+training step (forward, backward, per-member clipping, fused AdamW) is captured once as a CUDA
+graph and replayed (--no_graph turns it off; a failed capture falls back to eager mode and the
+row says so). --streams K steps K such jobs in turn in one process, each on its own CUDA
+stream, so their kernels overlap; --workers N runs N such processes. Rows are written to --out
+(atomically) after every finished group; --resume skips (task, model, seed, steps, setting)
+rows already there; --budget_s stops everything at a wall-clock budget and records how far
+each run got (such rows are kept out of the main table), so a grid can be run in pieces.
 """
 import argparse
 import json
@@ -351,43 +353,62 @@ def task_shape(task, s):
     return (s["mem_width"], s["mem_length"]) if TASKS[task][2] else (s["width"], s["length"])
 
 
-@torch.no_grad()
-def evaluate(net, xt, yt, bs=1000):
-    """Accuracy on the test set as a 0-dim device tensor (no host sync)."""
-    was = net.training
-    net.eval()
-    correct = sum((net(xt[i:i + bs]).argmax(-1) == yt[i:i + bs]).sum() for i in range(0, len(xt), bs))
-    net.train(was)
-    return correct.float() / len(xt)
-
-
 class Run:
-    """One (task, model, seed) training run, stepped from outside so that several runs can share
-    a process (each on its own CUDA stream). On CUDA with graph=True the whole training step
-    (forward, backward, clipping, AdamW) is captured once as a CUDA graph and replayed: one
-    launch per step instead of hundreds. The first `warmup` steps run eagerly (they are real
-    steps on real batches; capture needs them to settle the allocator)."""
+    """Training of one model kind on one or more (task, seed) members of the same shape.
 
-    def __init__(self, task, model_name, seed, s, device="cpu", eval_every=0, compile=False,
+    One member: a plain module. Several: an ensemble, the members' weights stacked and the
+    model applied with torch.func.vmap, so each kernel serves every member (tiny models are
+    launch-bound; this divides the launches by the ensemble size). Each member keeps its own
+    init (torch.manual_seed(seed)), data stream, test set, per-member gradient clipping and
+    AdamW state (AdamW is elementwise, so stacking changes nothing but float rounding).
+
+    Stepped from outside so that several runs can share a process, each on its own CUDA
+    stream. On CUDA with graph=True the whole training step (forward, backward, clipping, AdamW)
+    is captured once as a CUDA graph and replayed: one launch per step. The first `warmup` steps
+    run eagerly (real steps on real batches; capture needs them to settle the allocator)."""
+
+    def __init__(self, members, model_name, s, device="cpu", eval_every=0, compile=False,
                  backend="chunk", graph=False, block_steps=250, warmup=3):
         self.t0 = time.time()
-        self.task, self.model_name, self.seed, self.s = task, model_name, seed, s
+        self.members, self.model_name, self.s = list(members), model_name, s
+        shapes = {task_shape(t, s) for t, _ in self.members}
+        if len(shapes) != 1:
+            raise ValueError(f"ensemble members must share width and length; got {self.members}")
+        (self.D, self.T), self.S = shapes.pop(), len(self.members)
         self.device = device = torch.device(device)
         self.eval_every, self.block_steps, self.warmup = eval_every, block_steps, warmup
         self.graph = graph and device.type == "cuda" and not compile
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.D, self.T = task_shape(task, s)
-        torch.manual_seed(seed)                   # model init on CPU: the same on every device
-        self.net = build_model(model_name, s["vocab"], self.D, self.T, s["n_layer"], backend).to(device)
+        nets = []
+        for _, seed in self.members:
+            torch.manual_seed(seed)               # model init on CPU: the same on every device
+            nets.append(build_model(model_name, s["vocab"], self.D, self.T, s["n_layer"], backend))
+        self.n_params = sum(p.numel() for p in nets[0].parameters())
+        if self.S == 1:
+            self.net = nets[0].to(device)
+            self.params = list(self.net.parameters())
+            self.fwd = torch.compile(self.net) if compile else self.net
+        else:
+            from torch.func import functional_call, stack_module_state, vmap
+            stacked, buffers = stack_module_state(nets)
+            self.stacked = {k: v.detach().to(device).requires_grad_() for k, v in stacked.items()}
+            buffers = {k: v.to(device) for k, v in buffers.items()}
+            self.net = nets[0].to(device)         # the structure; its own weights are not used
+            one = lambda p, x: functional_call(self.net, (p, buffers), (x,))
+            self.fwd = vmap(one, in_dims=(0, 0))  # (stacked weights, x [S,B,T]) -> [S,B,V]
+            self.params = list(self.stacked.values())
         extra = dict(fused=True, capturable=self.graph) if device.type == "cuda" else {}
-        self.opt = torch.optim.AdamW(self.net.parameters(), lr=s["lr"], weight_decay=s["weight_decay"], **extra)
-        self.fwd = torch.compile(self.net) if compile else self.net
+        self.opt = torch.optim.AdamW(self.params, lr=s["lr"], weight_decay=s["weight_decay"], **extra)
         if self.stream is not None:  # the weights were copied on the default stream
             self.stream.wait_stream(torch.cuda.current_stream(device))
         with self._on_stream():
-            g_test = make_generator(seed, task, "test", device)
-            self.xt, self.yt, _ = make_batch(task, s["n_test"], self.T, s["vocab"], g_test, device)
-            self.g_train = make_generator(seed, task, "train", device)
+            xt, yt = [], []
+            for task, seed in self.members:
+                x, y, _ = make_batch(task, s["n_test"], self.T, s["vocab"],
+                                     make_generator(seed, task, "test", device), device)
+                xt.append(x), yt.append(y)
+            self.xt, self.yt = torch.stack(xt), torch.stack(yt)   # [S, n_test, T], [S, n_test]
+            self.g_train = [make_generator(seed, task, "train", device) for task, seed in self.members]
         self.it, self.losses, self.curve = 0, [], []
         self.xs = self.ys = None
         self.cuda_graph, self.graph_error = None, None
@@ -395,12 +416,24 @@ class Run:
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext()
 
+    def _logits(self, x):  # x [S,B,T] -> [S,B,V]
+        return self.fwd(x[0])[None] if self.S == 1 else self.fwd(self.stacked, x)
+
     def _train_step(self, x, y):
-        loss = F.cross_entropy(self.fwd(x).float(), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.s["grad_clip"], foreach=True)
+        logits = self._logits(x).float()
+        S, B, V = logits.shape
+        loss = F.cross_entropy(logits.reshape(S * B, V), y.reshape(S * B), reduction="none")
+        loss = loss.view(S, B).mean(1)                        # per member
+        loss.sum().backward()                                 # each member gets its own gradient
+        if self.S == 1:
+            torch.nn.utils.clip_grad_norm_(self.params, self.s["grad_clip"], foreach=True)
+        else:  # clip_grad_norm_ per member: its own total norm over all its parameters
+            norm = sum(p.grad.float().pow(2).flatten(1).sum(1) for p in self.params).sqrt()
+            coef = (self.s["grad_clip"] / (norm + 1e-6)).clamp(max=1.0)
+            for p in self.params:
+                p.grad.mul_(coef.view(-1, *[1] * (p.dim() - 1)).to(p.grad.dtype))
         self.opt.step()
-        return loss
+        return loss.detach()
 
     def step(self):
         """One training step (no host sync)."""
@@ -409,34 +442,32 @@ class Run:
             j = it % self.block_steps
             if j == 0:  # one generator call per block of steps (fewer tiny launches)
                 n = min(self.block_steps, s["steps"] - it)
-                xs, ys, _ = make_batch(self.task, n * B, self.T, s["vocab"], self.g_train, self.device)
-                self.xs, self.ys = xs.view(n, B, self.T), ys.view(n, B)
-            if not self.graph or it < self.warmup:
+                xs, ys = [], []
+                for (task, _), g in zip(self.members, self.g_train):
+                    x, y, _ = make_batch(task, n * B, self.T, s["vocab"], g, self.device)
+                    xs.append(x.view(n, B, self.T)), ys.append(y.view(n, B))
+                self.xs, self.ys = torch.stack(xs, 1), torch.stack(ys, 1)  # [n,S,B,T], [n,S,B]
+            if self.graph and it >= self.warmup and self.cuda_graph is None:
+                self._capture()
+            if self.cuda_graph:
+                self.static_x.copy_(self.xs[j])
+                self.static_y.copy_(self.ys[j])
+                self.cuda_graph.replay()
+                loss = self.static_loss
+            else:  # eager: CPU, warm-up steps, or a failed capture (noted in the row)
                 self.opt.zero_grad(set_to_none=True)
                 loss = self._train_step(self.xs[j], self.ys[j])
-            else:
-                if self.cuda_graph is None:
-                    self._capture()
-                if self.cuda_graph is False:  # capture failed: stay eager (noted in the row)
-                    self.opt.zero_grad(set_to_none=True)
-                    loss = self._train_step(self.xs[j], self.ys[j])
-                else:
-                    self.static_x.copy_(self.xs[j])
-                    self.static_y.copy_(self.ys[j])
-                    self.cuda_graph.replay()
-                    loss = self.static_loss
             if j == 0 or it == s["steps"] - 1:
-                self.losses.append(loss.detach().clone())
+                self.losses.append(loss.clone())
             self.it += 1
             if self.eval_every and self.it % self.eval_every == 0 and self.it < s["steps"]:
-                self.curve.append((self.it, evaluate(self.fwd, self.xt, self.yt)))
+                self.curve.append((self.it, self.evaluate()))
 
     def _capture(self):
         # PyTorch's whole-network capture recipe: grads set to None before capture, so the
         # captured backward writes them afresh on every replay
-        B, T = self.s["batch"], self.T
-        self.static_x = torch.zeros(B, T, dtype=torch.long, device=self.device)
-        self.static_y = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.static_x = torch.zeros_like(self.xs[0])
+        self.static_y = torch.zeros_like(self.ys[0])
         torch.cuda.current_stream().synchronize()
         self.opt.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
@@ -448,23 +479,36 @@ class Run:
             self.cuda_graph, self.graph_error = False, f"{type(e).__name__}: {e}"[:300]
             torch.cuda.synchronize()
 
+    @torch.no_grad()
+    def evaluate(self, bs=None):
+        """Test accuracy per member, a device tensor [S] (no host sync)."""
+        bs = bs or max(100, 8000 // self.S)   # bounds the memory of a big ensemble's forward
+        self.net.eval()
+        correct = sum((self._logits(self.xt[:, i:i + bs]).argmax(-1) == self.yt[:, i:i + bs]).sum(1)
+                      for i in range(0, self.xt.shape[1], bs))
+        self.net.train()
+        return correct.float() / self.xt.shape[1]
+
     def finish(self):
         with self._on_stream():
-            acc = evaluate(self.fwd, self.xt, self.yt)
-            final_loss = self.losses[-1] if self.losses else torch.tensor(float("nan"))
-        s = self.s
-        row = dict(task=self.task, model=self.model_name, seed=self.seed, steps=self.it,
-                   test_acc=acc.item(), final_train_loss=final_loss.item(),
-                   chance=TASKS[self.task][3], width=self.D, length=self.T, vocab=s["vocab"],
-                   batch=s["batch"], n_test=s["n_test"],
-                   params=sum(p.numel() for p in self.net.parameters()),
-                   curve=[(k, v.item()) for k, v in self.curve], device=str(self.device),
-                   cuda_graph=bool(self.graph and self.cuda_graph), wall_s=round(time.time() - self.t0, 2))
-        if self.graph_error:
-            row["note"] = "CUDA graph capture failed, ran eagerly: " + self.graph_error
-        if not math.isfinite(row["final_train_loss"]):
-            row["note"] = "non-finite training loss"
-        return row
+            acc = self.evaluate().tolist()
+            final = (self.losses[-1] if self.losses else torch.full((self.S,), float("nan"))).tolist()
+            curve = [(k, v.tolist()) for k, v in self.curve]
+        s, rows = self.s, []
+        for i, (task, seed) in enumerate(self.members):
+            row = dict(task=task, model=self.model_name, seed=seed, steps=self.it,
+                       test_acc=acc[i], final_train_loss=final[i], chance=TASKS[task][3],
+                       width=self.D, length=self.T, vocab=s["vocab"], batch=s["batch"],
+                       n_test=s["n_test"], params=self.n_params,
+                       curve=[(k, v[i]) for k, v in curve], device=str(self.device),
+                       ensemble=self.S, cuda_graph=bool(self.cuda_graph),
+                       wall_s=round(time.time() - self.t0, 2))
+            if self.graph_error:
+                row["note"] = "CUDA graph capture failed, ran eagerly: " + self.graph_error
+            if not math.isfinite(row["final_train_loss"]):
+                row["note"] = "non-finite training loss"
+            rows.append(row)
+        return rows
 
 
 class _nullcontext:
@@ -475,44 +519,56 @@ class _nullcontext:
         return False
 
 
-def run_one(task, model_name, seed, s, device="cpu", log=None, **kw):
-    """Train one model on one task; return a result row. s = a settings dict (see SETTINGS)."""
-    run = Run(task, model_name, seed, s, device, **kw)
-    steps = s["steps"]
+def run_one(task, model_name, seed, s, device="cpu", **kw):
+    """Train one model on one task; return its result row. s = a settings dict (SETTINGS)."""
+    return run_ensemble([(task, seed)], model_name, s, device, **kw)[0]
+
+
+def run_ensemble(members, model_name, s, device="cpu", **kw):
+    """Train one model kind on several (task, seed) members of one shape at once; one row each."""
+    return run_group([(model_name, members)], s, device, **kw)
+
+
+def run_group(jobs, s, device="cpu", deadline=None, **kw):
+    """Several runs (model_name, [(task, seed), ...]) in one process, stepped in turn, each on
+    its own CUDA stream so that their kernels overlap on the GPU. Returns their rows. Past
+    `deadline` (a time.time() value) the runs stop early and their rows say so."""
+    runs = [Run(members, m, s, device, **kw) for m, members in jobs]
+    t0, steps = time.time(), s["steps"]
     for it in range(steps):
-        run.step()
-        if log is not None and (it + 1) % max(steps // 4, 1) == 0:
-            el = time.time() - run.t0
-            log(f"{task}/{model_name}/s{seed}: step {it + 1}/{steps} {(it + 1) / el:.0f} it/s "
-                f"ETA {el / (it + 1) * (steps - it - 1):.0f}s")
-    return run.finish()
-
-
-def run_group(jobs, s, device, **kw):
-    """Several runs in one process, interleaved step by step, each on its own CUDA stream so
-    that their tiny kernels overlap on the GPU. Returns their rows."""
-    runs = [Run(t, m, sd, s, device, **kw) for t, m, sd in jobs]
-    for _ in range(s["steps"]):
+        if deadline and it % 50 == 0 and time.time() > deadline:
+            break
         for r in runs:
             r.step()
-    rows = [r.finish() for r in runs]
-    for row in rows:  # the group's wall time is shared; say so
+        if (it + 1) % max(steps // 10, 1) == 0 and time.time() - t0 > 60:  # long runs: progress
+            el = time.time() - t0
+            print(f"  [pid {os.getpid()}] step {it + 1}/{steps} of {len(runs)} run(s), "
+                  f"{(it + 1) / el:.1f} it/s, ETA {el / (it + 1) * (steps - it - 1):.0f}s", flush=True)
+    rows = [row for r in runs for row in r.finish()]
+    for row in rows:  # wall time is shared by the group; say so
         row["group_size"] = len(runs)
+        if row["steps"] < steps:
+            row["note"] = f"stopped early by the time budget at step {row['steps']} of {steps}"
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
-# grid runner, results file, table
+def make_jobs(tasks, models, seeds, s, ensemble=1):
+    """(model, members) jobs: members of one job share a model kind and a shape. Seeds stay
+    outermost where possible, so a partial grid still covers every (task, model) cell."""
+    jobs = []
+    for m in models:
+        for shape in sorted({task_shape(t, s) for t in tasks}):
+            members = [(t, sd) for sd in seeds for t in tasks if task_shape(t, s) == shape]
+            jobs += [(m, members[i:i + ensemble]) for i in range(0, len(members), ensemble)]
+    # interleave so that the first jobs cover the first seed of every model
+    return sorted(jobs, key=lambda j: (seeds.index(j[1][0][1]), models.index(j[0])))
+
 
 def _worker(group, s, opts):
-    """One process: a group of (task, model, seed) runs, interleaved on CUDA streams if > 1."""
+    """One process: a group of runs, interleaved on CUDA streams if more than one."""
     torch.set_num_threads(opts["threads"])
-    kw = dict(eval_every=opts["eval_every"], compile=opts["compile"], backend=opts["backend"],
-              graph=opts["graph"])
-    if len(group) == 1:
-        rows = [run_one(*group[0], s, opts["device"], **kw)]
-    else:
-        rows = run_group(group, s, opts["device"], **kw)
+    rows = run_group(group, s, opts["device"], deadline=opts["deadline"], eval_every=opts["eval_every"],
+                     compile=opts["compile"], backend=opts["backend"], graph=opts["graph"])
     for row in rows:
         row["setting"] = opts["setting"]
     return rows
@@ -575,12 +631,16 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile each model")
     p.add_argument("--backend", default="chunk", choices=["chunk", "naive", "triton"],
                    help="recurrence backend for our GDN/PRISM models")
+    p.add_argument("--ensemble", type=int, default=1,
+                   help="train up to N (task, seed) members of one model kind and shape at once "
+                        "(stacked weights, torch.func.vmap)")
     p.add_argument("--streams", type=int, default=1,
                    help="runs per process, interleaved on their own CUDA streams (GPU only)")
     p.add_argument("--no_graph", action="store_true",
                    help="on CUDA, do not capture the training step as a CUDA graph")
     p.add_argument("--budget_s", type=float, default=0,
-                   help="start no new run group after this many seconds (0 = no limit)")
+                   help="wall budget in seconds (0 = none): no group starts after it, and running "
+                        "groups stop there and record how far they got")
     p.add_argument("--out", default="bench/results/probes.json")
     p.add_argument("--resume", action="store_true", help="skip runs already in --out")
     args = p.parse_args(argv)
@@ -600,25 +660,29 @@ def main(argv=None):
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(min(32, args.streams)))
     rows = load_rows(args.out) if args.resume else []
     done = {(r["task"], r["model"], r["seed"], r["steps"], r.get("setting")) for r in rows}
-    # seeds outermost: a partial grid still has every (task, model) cell
-    jobs = [(t, m, sd) for sd in args.seeds for t in args.tasks for m in args.models
-            if (t, m, sd, s["steps"], args.setting) not in done]
+    jobs = []
+    for m, members in make_jobs(args.tasks, args.models, args.seeds, s, args.ensemble):
+        members = [(t, sd) for t, sd in members if (t, m, sd, s["steps"], args.setting) not in done]
+        if members:
+            jobs.append((m, members))
+    n_runs = sum(len(j[1]) for j in jobs)
     groups = [jobs[i:i + args.streams] for i in range(0, len(jobs), args.streams)]
-    print(f"{len(jobs)} runs in {len(groups)} groups ({len(done)} already in {args.out}), "
-          f"{args.workers} workers x {args.streams} streams, device {args.device}, "
-          f"steps {s['steps']}", flush=True)
+    print(f"{n_runs} runs as {len(jobs)} jobs (ensembles of <= {args.ensemble}) in {len(groups)} "
+          f"groups ({len(done)} runs already in {args.out}); {args.workers} workers x "
+          f"{args.streams} streams, device {args.device}, steps {s['steps']}", flush=True)
     t0, n_done = time.time(), 0
+    opts["deadline"] = t0 + args.budget_s if args.budget_s else None
 
     def finished(new_rows):
         nonlocal n_done
         rows.extend(new_rows)
         save_rows(args.out, rows)
-        n_done += len(new_rows)
         el = time.time() - t0
         for row in new_rows:
-            print(f"[{n_done}/{len(jobs)}] {row['task']:<11} {row['model']:<18} seed {row['seed']} "
+            n_done += 1
+            print(f"[{n_done}/{n_runs}] {row['task']:<11} {row['model']:<18} seed {row['seed']} "
                   f"acc {row['test_acc']:.3f} ({row['wall_s']:.0f}s)  elapsed {el:.0f}s "
-                  f"ETA {el / n_done * (len(jobs) - n_done):.0f}s", flush=True)
+                  f"ETA {el / n_done * (n_runs - n_done):.0f}s", flush=True)
 
     over = lambda: args.budget_s and time.time() - t0 > args.budget_s
     if args.workers <= 1:
@@ -636,13 +700,18 @@ def main(argv=None):
                 if over():
                     for f in futs:
                         f.cancel()  # only those not started yet; running ones finish
-    if n_done < len(jobs):
-        print(f"stopped after the {args.budget_s:.0f}s budget: {n_done}/{len(jobs)} runs done; "
+    if n_done < n_runs:
+        print(f"stopped after the {args.budget_s:.0f}s budget: {n_done}/{n_runs} runs done; "
               f"rerun with --resume to continue")
     print()
     print(f"setting {args.setting}, steps {s['steps']}, batch {s['batch']}, device {args.device}")
-    print(table([r for r in rows if r["steps"] == s["steps"] and r.get("setting") == args.setting],
-                args.models))
+    mine = [r for r in rows if r.get("setting") == args.setting]
+    print(table([r for r in mine if r["steps"] == s["steps"]], args.models))
+    short = [r for r in mine if r["steps"] < s["steps"]]
+    if short:
+        print(f"\nruns stopped early (steps {min(r['steps'] for r in short)}-"
+              f"{max(r['steps'] for r in short)} of {s['steps']}):")
+        print(table(short, args.models))
     return rows
 
 
