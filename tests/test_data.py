@@ -309,7 +309,8 @@ def test_hub_streaming_path(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
     monkeypatch.setattr(prep, "hub_reachable", lambda: True)
     monkeypatch.setattr(tokmod, "_from_hub", lambda: None)
-    monkeypatch.delenv("HF_HUB_OFFLINE")
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # other test modules set them at import
+        monkeypatch.delenv(var, raising=False)
     meta = run(["--out_dir", tmp_path / "hub", "--tokens", 10 ** 6, "--val_tokens", 10 ** 5])
     train, val = bins(tmp_path / "hub")
     assert split_docs(tok, train)[0] == docs["train"] and split_docs(tok, val)[0] == docs["validation"]
