@@ -48,6 +48,7 @@ TRAIN_DEFAULTS = dict(
     log_interval=10,
     always_save_checkpoint=True,     # False: save only when val loss improves
     keep_checkpoints=3,              # keep the last K checkpoint files
+    save_checkpoints=True,           # False: write none (benchmarks and throw-away runs)
     # batch: the GLOBAL batch is batch_size * gradient_accumulation_steps sequences of block_size;
     # each of N ranks does gradient_accumulation_steps / N micro-steps
     batch_size=16,
@@ -581,6 +582,8 @@ def train(cfg):
         return (total[0] / total[1]).item()
 
     def checkpoint():
+        if not cfg["save_checkpoints"]:
+            return "nothing (save_checkpoints=False)"
         rngs = [None] * world
         if ddp:
             dist.all_gather_object(rngs, rng_state(device))
