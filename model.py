@@ -152,7 +152,7 @@ def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
     strict = causal.tril(-1)
     # Gam[t,i] = exp(G_t - G_i) for i <= t; masked before exp so it never overflows
     diff = G[..., :, None] - G[..., None, :]
-    Gam = torch.where(causal, diff, diff.new_tensor(-math.inf)).exp()  # [B,H,N,C,C]
+    Gam = diff.masked_fill(~causal, -math.inf).exp()                   # [B,H,N,C,C]
 
     A_kk = (k @ k.transpose(-1, -2)) * Gam * strict
     M = torch.eye(C, dtype=acc, device=q.device) + beta[..., None] * A_kk

@@ -367,8 +367,8 @@ class Run:
     is captured once as a CUDA graph and replayed: one launch per step. The first `warmup` steps
     run eagerly (real steps on real batches; capture needs them to settle the allocator)."""
 
-    def __init__(self, members, model_name, s, device="cpu", eval_every=0, compile=False,
-                 backend="chunk", graph=False, block_steps=250, warmup=3):
+    def __init__(self, members, model_name, s, device="cpu", eval_every=0, backend="chunk",
+                 graph=False, block_steps=250, warmup=3):
         self.t0 = time.time()
         self.members, self.model_name, self.s = list(members), model_name, s
         shapes = {task_shape(t, s) for t, _ in self.members}
@@ -377,7 +377,7 @@ class Run:
         (self.D, self.T), self.S = shapes.pop(), len(self.members)
         self.device = device = torch.device(device)
         self.eval_every, self.block_steps, self.warmup = eval_every, block_steps, warmup
-        self.graph = graph and device.type == "cuda" and not compile
+        self.graph = graph and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         nets = []
         for _, seed in self.members:
@@ -387,7 +387,7 @@ class Run:
         if self.S == 1:
             self.net = nets[0].to(device)
             self.params = list(self.net.parameters())
-            self.fwd = torch.compile(self.net) if compile else self.net
+            self.fwd = self.net
         else:
             from torch.func import functional_call, stack_module_state, vmap
             stacked, buffers = stack_module_state(nets)
@@ -568,7 +568,7 @@ def _worker(group, s, opts):
     """One process: a group of runs, interleaved on CUDA streams if more than one."""
     torch.set_num_threads(opts["threads"])
     rows = run_group(group, s, opts["device"], deadline=opts["deadline"], eval_every=opts["eval_every"],
-                     compile=opts["compile"], backend=opts["backend"], graph=opts["graph"])
+                     backend=opts["backend"], graph=opts["graph"])
     for row in rows:
         row["setting"] = opts["setting"]
     return rows
@@ -625,10 +625,10 @@ def main(argv=None):
     p.add_argument("--batch", type=int, help="override the setting's batch size")
     p.add_argument("--n_test", type=int, help="override the number of test samples")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--workers", type=int, default=1, help="concurrent single-run processes")
+    p.add_argument("--workers", type=int, default=1,
+                   help="concurrent processes, each running --streams jobs at a time")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
     p.add_argument("--eval_every", type=int, default=0, help="also record test acc every N steps")
-    p.add_argument("--compile", action="store_true", help="torch.compile each model")
     p.add_argument("--backend", default="chunk", choices=["chunk", "naive", "triton"],
                    help="recurrence backend for our GDN/PRISM models")
     p.add_argument("--ensemble", type=int, default=1,
@@ -654,8 +654,7 @@ def main(argv=None):
         if getattr(args, k) is not None:
             s[k] = getattr(args, k)
     opts = dict(device=args.device, threads=args.threads, eval_every=args.eval_every,
-                compile=args.compile, backend=args.backend, setting=args.setting,
-                graph=not args.no_graph)
+                backend=args.backend, setting=args.setting, graph=not args.no_graph)
     if args.streams > 1:  # more hardware queues, so that the streams really run side by side
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(min(32, args.streams)))
     rows = load_rows(args.out) if args.resume else []
@@ -700,9 +699,10 @@ def main(argv=None):
                 if over():
                     for f in futs:
                         f.cancel()  # only those not started yet; running ones finish
-    if n_done < n_runs:
-        print(f"stopped after the {args.budget_s:.0f}s budget: {n_done}/{n_runs} runs done; "
-              f"rerun with --resume to continue")
+    n_short = sum(r["steps"] < s["steps"] for r in rows[len(rows) - n_done:])
+    if n_done < n_runs or n_short:
+        print(f"time budget of {args.budget_s:.0f}s reached: {n_done - n_short}/{n_runs} runs "
+              f"complete, {n_short} stopped early; rerun with --resume to redo the rest")
     print()
     print(f"setting {args.setting}, steps {s['steps']}, batch {s['batch']}, device {args.device}")
     mine = [r for r in rows if r.get("setting") == args.setting]
