@@ -24,14 +24,19 @@ import torch.nn.functional as F
 from model import Model, ModelConfig
 from train import UserError, model_args_of, parse_config
 
-BASE_130M = dict(n_layer=12, n_embd=768, n_head=6, head_dim=128, expand_v=2.0, vocab_size=32000)
+# the table's rows: the 130M config files themselves, plus an override where a row differs
 SUITE = [
-    ("transformer", dict(mixer="attention")),
-    ("gdn", dict(mixer="gdn")),
-    ("prism L=2", dict(mixer="prism", solver_steps=2)),
-    ("prism L=3", dict(mixer="prism", solver_steps=3)),
-    ("hybrid (prism L=3 + attn 5,11)", dict(mixer="prism", solver_steps=3, attn_layers=(5, 11))),
+    ("transformer", "config/transformer_130m.py", {}),
+    ("gdn", "config/gdn_130m.py", {}),
+    ("prism L=2", "config/prism_130m.py", dict(solver_steps=2)),
+    ("prism L=3", "config/prism_130m.py", {}),
+    ("hybrid (prism L=3 + attn 5,11)", "config/hybrid_130m.py", {}),
 ]
+
+
+def suite_config(path, over, **kw):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    return ModelConfig(**{**model_args_of(parse_config([path])), **over, **kw})
 
 
 def time_steps(step, warmup, steps, device):
@@ -124,21 +129,22 @@ def run_suite(args, device):
 
     for T in args.seqlens:
         B = max(1, args.tokens_per_step // T)
-        jobs = [(name, over, be) for name, over in SUITE for be in args.backends
-                if not (over["mixer"] == "attention" and be != args.backends[0])]
-        for name, over, backend in jobs:
-            cfg = ModelConfig(**BASE_130M, **over, block_size=T, backend=backend)
+        jobs = [(name, path, over, be) for name, path, over in SUITE for be in args.backends
+                if not ("transformer" in path and be != args.backends[0])]
+        for name, path, over, backend in jobs:
+            cfg = suite_config(path, over, block_size=T, backend=backend)
+            attn = cfg.mixer == "attention"
             try:
                 torch.manual_seed(0)
                 r = bench_model(Model(cfg), B, T, cfg.vocab_size, device, args.steps, args.warmup,
                                 args.compile)
-                emit(dict(model=name, backend=backend if over["mixer"] != "attention" else "sdpa",
+                emit(dict(model=name, backend="sdpa" if attn else backend,
                           compile=args.compile, **r))
             except torch.cuda.OutOfMemoryError:
                 emit(dict(model=name, backend=backend, B=B, T=T, error="out of memory"))
             torch.cuda.empty_cache() if device.type == "cuda" else None
         try:
-            cfg = ModelConfig(**BASE_130M, mixer="gdn", block_size=T)
+            cfg = suite_config("config/gdn_130m.py", {}, block_size=T)
             r = bench_model(fla_peer(cfg), B, T, cfg.vocab_size, device, args.steps, args.warmup,
                             args.compile, ours=False)
             emit(dict(model="fla GatedDeltaNet (peer)", backend="fla", compile=args.compile, **r))
