@@ -34,11 +34,13 @@ import torch  # noqa: E402
 
 from eval.lm_eval import PrismLM  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
+from train import model_args_of, parse_config  # noqa: E402
 
-BASE_130M = dict(n_layer=12, n_embd=768, n_head=6, head_dim=128, expand_v=2.0, vocab_size=32000,
-                 block_size=2048)
 BASE_TINY = dict(n_layer=2, n_embd=64, n_head=2, head_dim=16, expand_v=2.0, vocab_size=512,
                  block_size=256, solver_rank=16, chunk_size=16)
+# the 130M models are the config files; --tiny shrinks them to BASE_TINY with these mixers
+CONFIGS = {name: os.path.join(ROOT, "config", f"{name}_130m.py")
+           for name in ("transformer", "gdn", "prism", "hybrid")}
 MODELS = {
     "transformer": dict(mixer="attention"),
     "gdn": dict(mixer="gdn"),
@@ -160,7 +162,6 @@ def main(argv=None):
     device = torch.device(args.device)
     scale = args.scale if args.scale is not None else (0.01 if args.tiny else 0.05)
     new_tokens = args.new_tokens or (16 if args.tiny else 128)
-    base = BASE_TINY if args.tiny else BASE_130M
     rng = random.Random(0)
     torch.manual_seed(0)
 
@@ -171,9 +172,12 @@ def main(argv=None):
               "models": {}, "adapter": [], "decode": []}
     t_start = time.perf_counter()
     for name in names:
-        kw = dict(base, **MODELS[name])
-        if args.tiny and "attn_layers" in kw:
-            kw["attn_layers"] = (1,)
+        if args.tiny:
+            kw = dict(BASE_TINY, **MODELS[name])
+            if "attn_layers" in kw:
+                kw["attn_layers"] = (1,)
+        else:
+            kw = model_args_of(parse_config([CONFIGS[name]]))
         if args.backend:
             kw["backend"] = args.backend
         model = Model(ModelConfig(**kw)).to(device).eval()
