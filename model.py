@@ -383,7 +383,7 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:  # queries sit at the end of the keys: bottom-right causal mask
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-                # cuDNN's attention re-plans for every new key length (~3 ms a call): skip it
+                # cuDNN's attention re-plans for every new key length: slow for decoding
                 with sdpa_kernel(DECODE_SDPA):
                     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             y = y.transpose(1, 2)
@@ -473,7 +473,9 @@ class Model(nn.Module):
     def forward(self, idx, targets=None, cache=None):
         """Logits for every position. With `cache` (from init_cache) the call continues the
         sequence held in the cache: recurrent state and conv buffers, or the KV cache."""
-        if not torch.compiler.is_compiling() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
+        # checked where it is free: on CUDA it would sync every step, so train.py scans the data
+        # once at start-up and the tokenizers cannot produce ids beyond the vocabulary
+        if not idx.is_cuda and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.drop(self.wte(idx))

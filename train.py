@@ -471,10 +471,11 @@ def train(cfg):
     n_train = os.path.getsize(paths["train"]) // 2
     n_val = os.path.getsize(paths["val"]) // 2
     check_data_meta(meta, model_args)
-    head = np.memmap(paths["train"], dtype=np.uint16, mode="r")[:10_000_000]
-    if int(head.max()) >= model_args["vocab_size"]:
-        raise UserError(f"{paths['train']} holds token id {int(head.max())} >= vocab_size "
-                        f"{model_args['vocab_size']}")
+    for split in ("train", "val"):  # once, here: on CUDA a bad id is an unexplained device assert
+        data = np.memmap(paths[split], dtype=np.uint16, mode="r")
+        top = max(int(data[i:i + 2**26].max()) for i in range(0, len(data), 2**26))
+        if top >= model_args["vocab_size"]:
+            raise UserError(f"{paths[split]} holds token id {top} >= vocab_size {model_args['vocab_size']}")
     order = DataOrder(n_train, T, cfg["seed"])
 
     # --- model, optimizer, state
