@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from eval.lm_eval import PrismLM  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
-from train import model_args_of, parse_config  # noqa: E402
+from train import atomic_write, model_args_of, parse_config  # noqa: E402
 
 BASE_TINY = dict(n_layer=2, n_embd=64, n_head=2, head_dim=16, expand_v=2.0, vocab_size=512,
                  block_size=256, solver_rank=16, chunk_size=16)
@@ -244,12 +244,7 @@ def main(argv=None):
     out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench", "results"),
                                    f"bench_eval_{report['date'][:10]}{'_tiny' if args.tiny else ''}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    atomic_write(out, json.dumps(report, indent=2).encode())
     print(f"wrote {out} ({report['total_s']} s)")
     return report
 

@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny shapes gain nothing from threads, and OpenMP threads on a busy 2-core box can make
+    each op 50x slower (spin-waits). Restored afterwards for the other test files."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
