@@ -13,6 +13,7 @@ state without erasing, next to GDN's own delta-rule write:
 
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T + sum_l ke_t^(l) ve_t^(l)^T
 """
+import functools
 import math
 from dataclasses import dataclass, field, fields
 
@@ -200,10 +201,26 @@ def delta_rule(q, k, v, g, beta, ke=None, ve=None, initial_state=None, output_fi
         return delta_rule_chunk(q, k, v, g, beta, ke, ve, initial_state=initial_state,
                                 output_final_state=output_final_state, chunk_size=chunk_size)
     if backend == "triton":
-        from prism_kernel import chunk_prism
-        return chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                           output_final_state=output_final_state)
+        return _no_compile(_triton_delta_rule)(q, k, v, g, beta, ke, ve, initial_state, output_final_state)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+@functools.cache
+def _no_compile(fn):
+    # torch.compile leaves the Triton kernels alone and fuses around them. Wrapped on first use:
+    # torch.compiler.disable imports dynamo (and triton), ~1 s that CPU users should not pay.
+    return torch.compiler.disable(fn)
+
+
+def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state):
+    from prism_kernel import chunk_prism
+    return chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
+                       output_final_state=output_final_state)
+
+
+def _triton_conv(x, weight):
+    from prism_kernel import causal_conv
+    return causal_conv(x, weight)
 
 
 def default_backend(device):
@@ -227,7 +244,8 @@ class RMSNorm(nn.RMSNorm):
 
 
 class ShortConv(nn.Module):
-    """Causal depthwise conv over time. With a cache it continues from the last w-1 inputs."""
+    """Causal depthwise conv over time, then SiLU. With a cache it continues from the last w-1
+    inputs; fused=True runs prism_kernel.causal_conv (Triton, [B,T,C] in place, no cache)."""
 
     def __init__(self, channels, width):
         super().__init__()
@@ -235,7 +253,9 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, width))
         nn.init.uniform_(self.weight, -1 / math.sqrt(width), 1 / math.sqrt(width))
 
-    def forward(self, x, cache=None, key=None):  # x [B,T,C]
+    def forward(self, x, cache=None, key=None, fused=False):  # x [B,T,C]
+        if fused and cache is None:
+            return _no_compile(_triton_conv)(x, self.weight)
         w = self.width - 1
         past = cache.get(key) if cache is not None else None
         if past is None:
@@ -244,7 +264,7 @@ class ShortConv(nn.Module):
         if cache is not None:
             cache[key] = xp[:, xp.shape[1] - w:].detach()
         y = F.conv1d(xp.transpose(1, 2), self.weight.to(x.dtype)[:, None, :], groups=x.shape[2])
-        return y.transpose(1, 2)
+        return F.silu(y.transpose(1, 2))
 
 
 class GatedDeltaNet(nn.Module):
@@ -268,21 +288,22 @@ class GatedDeltaNet(nn.Module):
         dt = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
 
-    def solver_write(self, x, k, v, cache=None):
+    def solver_write(self, x, k, v, cache=None, fused=False):
         return None, None
 
     def forward(self, x, cache=None, backend="chunk"):
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        q, k, v = F.silu(self.conv(qkv, cache, "conv")).split([H * K, H * K, H * V], -1)
+        fused = backend == "triton" and cache is None   # Triton short conv too
+        q, k, v = self.conv(qkv, cache, "conv", fused).split([H * K, H * K, H * V], -1)
         v = v.view(B, T, H, V)
         # autocast runs normalisation in float32; hand the recurrence one dtype
         q = F.normalize(q.view(B, T, H, K), dim=-1).to(v.dtype)
         k = F.normalize(k.view(B, T, H, K), dim=-1).to(v.dtype)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
-        ke, ve = self.solver_write(x, k, v, cache)
+        ke, ve = self.solver_write(x, k, v, cache, fused)
         state = cache.get("state") if cache is not None else None
         o, state = delta_rule(q, k, v, g, beta, ke, ve, initial_state=state,
                               output_final_state=cache is not None, backend=backend,
@@ -315,12 +336,12 @@ class PRISM(GatedDeltaNet):
         self.gain_up = nn.ModuleList(nn.Linear(r, H * V, bias=False) for _ in range(n_gains))
         self.step_proj = nn.Linear(D, H * (L - 1), bias=False)   # b^(l), per head and step
 
-    def solver_write(self, x, k, v, cache=None):
+    def solver_write(self, x, k, v, cache=None, fused=False):
         """Returns ke [B,T,H,L-1,K] and ve = b * delta [B,T,H,L-1,V] (PRISM_SPEC §2.2)."""
         if self.L == 1:
             return None, None
         cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
-        a = F.silu(self.anchor_conv(x, cache, "anchor") if cfg.solver_anchor else x)
+        a = self.anchor_conv(x, cache, "anchor", fused) if cfg.solver_anchor else F.silu(x)
         z = self.solver_down(a).split(cfg.solver_rank, -1)
         u = self.u_up(z[0]).view(B, T, H, V)                      # proxy of S_{t-1} k_t
         r = v - u                                                 # residual after GDN's write

@@ -614,3 +614,121 @@ def recurrent_prism_step(q, k, v, g, beta, ke=None, ve=None, scale=None, state=N
         S = S + torch.einsum("bhlk,bhlv->bhkv", ke.to(acc), ve.to(acc))
     o = torch.einsum("bhk,bhkv->bhv", q.to(acc) * scale, S).to(v.dtype)
     return (o[:, None] if squeeze else o), S
+
+
+# ----------------------------------------------------------------------------------------------
+# Causal depthwise short convolution (+ SiLU), the q/k/v and anchor pre-mixing of GDN and PRISM.
+# y[t, c] = act(sum_j w[c, j] x[t - (W-1) + j, c]), zero before t = 0, x and y [B, T, C].
+# cuDNN's depthwise conv1d needs [B, C, T] (two transposed copies) and its backward is slow for
+# thousands of channels; this works on [B, T, C] directly, one read per tap from cache.
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_fwd(x, w, y, T, C, W: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    base = i_b.to(tl.int64) * T * C
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        t_in = o_t - (W - 1) + j
+        m = ((t_in >= 0) & (t_in < T))[:, None] & m_c[None, :]
+        xj = tl.load(x + base + t_in[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
+        wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
+        acc += xj * wj[None, :]
+    if ACT:
+        acc = acc * tl.sigmoid(acc)
+    m = (o_t < T)[:, None] & m_c[None, :]
+    tl.store(y + base + o_t[:, None] * C + o_c[None, :], acc.to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_bwd_pre(x, w, dy, da, dw_part, T, C, NT, W: tl.constexpr, ACT: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr):
+    # da = dy * act'(pre-activation), recomputed here; dw partial sums per (batch, time block)
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    base = i_b.to(tl.int64) * T * C
+    m_out = (o_t < T)[:, None] & m_c[None, :]
+    g = tl.load(dy + base + o_t[:, None] * C + o_c[None, :], mask=m_out, other=0.).to(tl.float32)
+    if ACT:
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            t_in = o_t - (W - 1) + j
+            m = ((t_in >= 0) & (t_in < T))[:, None] & m_c[None, :]
+            xj = tl.load(x + base + t_in[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
+            wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
+            acc += xj * wj[None, :]
+        s = tl.sigmoid(acc)
+        g = g * (s + acc * s * (1 - s))
+    tl.store(da + base + o_t[:, None] * C + o_c[None, :], g, mask=m_out)
+    part = dw_part + (i_b.to(tl.int64) * NT + i_t) * C * W
+    for j in tl.static_range(W):
+        t_in = o_t - (W - 1) + j
+        m = ((t_in >= 0) & (t_in < T))[:, None] & m_c[None, :]
+        xj = tl.load(x + base + t_in[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
+        tl.store(part + o_c * W + j, tl.sum(g * xj, 0), mask=m_c)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_bwd_dx(da, w, dx, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    # dx[t] = sum_j w[j] da[t + (W-1) - j]
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    base = i_b.to(tl.int64) * T * C
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        t_out = o_t + (W - 1) - j
+        m = (t_out < T)[:, None] & m_c[None, :]
+        gj = tl.load(da + base + t_out[:, None] * C + o_c[None, :], mask=m, other=0.)
+        wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
+        acc += gj * wj[None, :]
+    m = (o_t < T)[:, None] & m_c[None, :]
+    tl.store(dx + base + o_t[:, None] * C + o_c[None, :], acc.to(dx.dtype.element_ty), mask=m)
+
+
+def _conv_blocks(T, C):
+    return min(64, triton.next_power_of_2(T)), min(128, triton.next_power_of_2(C))
+
+
+class CausalConvFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, w, act):
+        B, T, C = x.shape
+        W = w.shape[1]
+        BT, BC = _conv_blocks(T, C)
+        y = _empty(B, T, C, dtype=x.dtype, device=x.device)
+        _conv_fwd[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](x, w, y, T, C, W=W, ACT=act, BT=BT, BC=BC)
+        ctx.save_for_backward(x, w)
+        ctx.act = act
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        B, T, C = x.shape
+        W = w.shape[1]
+        BT, BC = _conv_blocks(T, C)
+        NT = triton.cdiv(T, BT)
+        grid = (NT, triton.cdiv(C, BC), B)
+        da = _empty(B, T, C, dtype=torch.float32, device=x.device)
+        dw_part = _empty(B * NT, C, W, dtype=torch.float32, device=x.device)
+        _conv_bwd_pre[grid](x, w, dy.contiguous(), da, dw_part, T, C, NT, W=W, ACT=ctx.act, BT=BT, BC=BC)
+        dx = _empty(B, T, C, dtype=x.dtype, device=x.device)
+        _conv_bwd_dx[grid](da, w, dx, T, C, W=W, BT=BT, BC=BC)
+        return dx, dw_part.sum(0).to(w.dtype), None
+
+
+def causal_conv(x, weight, silu=True):
+    """Causal depthwise conv of x [B,T,C] with weight [C,W] (tap W-1 is the current token),
+    optionally followed by SiLU; the semantics of model.ShortConv without a cache."""
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+        raise ValueError(f"causal_conv: x must be [B,T,C] and weight [C,W], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("causal_conv: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    return CausalConvFunction.apply(x.contiguous(), weight.contiguous(), bool(silu))

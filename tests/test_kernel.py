@@ -249,3 +249,54 @@ def test_model_triton_backend_matches_chunk(mixer):
     assert rel_err(grads["triton"][0], grads["chunk"][0]) < 1e-4
     for a, b in zip(grads["triton"][1], grads["chunk"][1]):
         assert rel_err(a, b) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# the short causal conv (+ SiLU) kernel, against F.conv1d in float64
+
+def conv_reference(x, w, silu):
+    W = w.shape[1]
+    y = F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), w[:, None, :], groups=x.shape[2]).transpose(1, 2)
+    return F.silu(y) if silu else y
+
+
+def check_conv(B, T, C, W, silu, dtype, tol, device=DEV):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(B, T, C, generator=gen).to(device, dtype)
+    w = (torch.randn(C, W, generator=gen) / W ** 0.5).to(device)
+    dy = torch.randn(B, T, C, generator=gen, dtype=torch.float64).to(device)
+    outs = []
+    for fn, cast in ((conv_reference, torch.float64), (prism_kernel.causal_conv, None)):
+        xi = x.to(cast or dtype).detach().requires_grad_()
+        wi = w.to(cast or torch.float32).detach().requires_grad_()
+        y = fn(xi, wi, silu)
+        (y.double() * dy).sum().backward()
+        outs.append((y, xi.grad, wi.grad))
+    for name, a, b in zip(("y", "dx", "dw"), outs[1], outs[0]):
+        assert a.dtype == (dtype if name != "dw" else torch.float32)
+        assert torch.isfinite(a).all(), f"conv {name}: non-finite (unwritten?)"
+        e = rel_err(a, b)
+        assert e <= tol, f"conv B={B} T={T} C={C} W={W} silu={silu} {dtype} {name}: rel err {e:.1e}"
+
+
+@pytest.mark.parametrize("T,C,W,silu", [(37, 10, 4, True), (5, 3, 4, False), (70, 130, 3, True)])
+def test_causal_conv_vs_conv1d(T, C, W, silu):
+    check_conv(2, T, C, W, silu, torch.float32, 1e-5)
+
+
+def test_causal_conv_in_model_matches_torch_path():
+    from model import ShortConv
+    torch.manual_seed(0)
+    conv = ShortConv(12, 4).to(DEV)
+    x = torch.randn(2, 33, 12, device=DEV)
+    assert rel_err(conv(x, fused=True), conv(x)) < 1e-6
+    cache = {}  # with a cache the torch path runs (it keeps the last inputs for decoding)
+    assert torch.equal(conv(x, cache, "c", fused=True), conv(x, {}, "c"))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_gpu_causal_conv(poisoned, dtype, tol):
+    check_conv(3, 2500, 3072, 4, True, dtype, tol)
+    check_conv(1, 100, 768, 4, False, dtype, tol)

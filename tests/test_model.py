@@ -121,7 +121,7 @@ def per_token_write(layer, x):
     B, T, _ = x.shape
     H, K, V = layer.H, layer.K, layer.V
     qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1)
-    _, k, v = F.silu(layer.conv(qkv)).split([H * K, H * K, H * V], -1)
+    _, k, v = layer.conv(qkv).split([H * K, H * K, H * V], -1)
     k = F.normalize(k.view(B, T, H, K), dim=-1)
     v = v.view(B, T, H, V)
     beta = layer.b_proj(x).sigmoid()
