@@ -98,6 +98,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -253,7 +254,7 @@ class PaperProbeMixer(nn.Module):
 
     def forward(self, x):  # [B,T,D]
         T = x.shape[1]
-        a = F.silu(self.conv(x))
+        a = self.conv(x)  # conv + SiLU
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         if self.kind == "la":
             q, k = F.elu(self.q(a)) + 1, F.elu(self.k(a)) + 1
@@ -417,7 +418,10 @@ class Run:
         return torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext()
 
     def _logits(self, x):  # x [S,B,T] -> [S,B,V]
-        return self.fwd(x[0])[None] if self.S == 1 else self.fwd(self.stacked, x)
+        # math attention: at T=128 it costs nothing, and the fused SDPA backwards reject the
+        # strides vmap gives them on CUDA ("LSE is not correctly aligned", seen on the H200)
+        with sdpa_kernel([SDPBackend.MATH]):
+            return self.fwd(x[0])[None] if self.S == 1 else self.fwd(self.stacked, x)
 
     def _train_step(self, x, y):
         logits = self._logits(x).float()
