@@ -6,7 +6,7 @@ One configuration (same config files and --key=value overrides as train.py):
     python bench.py config/prism_130m.py --batch_size=16 --block_size=2048 --compile=True
 The comparison table (every row measured in the same process, same GPU):
     python bench.py --suite --out=bench/results/train_bench.json [--seqlens=2048,8192,16384]
-        [--tokens_per_step=32768] [--steps=10] [--compile] [--backends=triton,chunk]
+        [--tokens_per_step=32768] [--steps=10] [--compile] [--backends=triton,chunk] [--models=gdn,fla]
 Rows: transformer, GDN, PRISM L=2 and L=3, hybrid, and flash-linear-attention's
 GatedDeltaNetForCausalLM of the same shape (when `fla` is importable) as the peer.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from model import Model, ModelConfig
-from train import UserError, model_args_of, parse_config
+from train import UserError, atomic_write, model_args_of, parse_config
 
 # the table's rows: the 130M config files themselves, plus an override where a row differs
 SUITE = [
@@ -123,14 +123,21 @@ def env_info(device):
 
 def run_suite(args, device):
     rows = []
-    def emit(r):
+    def emit(r):  # the JSON is rewritten after every row: a run cut short keeps what it measured
         rows.append(r)
         print(json.dumps(r), flush=True)
+        if args.out:
+            result = dict(env=env_info(device), tokens_per_step=args.tokens_per_step, rows=rows)
+            atomic_write(args.out, json.dumps(result, indent=1).encode())
+
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    wanted = lambda name: args.models is None or any(name.startswith(m) for m in args.models)
 
     for T in args.seqlens:
         B = max(1, args.tokens_per_step // T)
         jobs = [(name, path, over, be) for name, path, over in SUITE for be in args.backends
-                if not ("transformer" in path and be != args.backends[0])]
+                if wanted(name) and not ("transformer" in path and be != args.backends[0])]
         for name, path, over, backend in jobs:
             cfg = suite_config(path, over, block_size=T, backend=backend)
             attn = cfg.mixer == "attention"
@@ -143,6 +150,8 @@ def run_suite(args, device):
             except torch.cuda.OutOfMemoryError:
                 emit(dict(model=name, backend=backend, B=B, T=T, error="out of memory"))
             torch.cuda.empty_cache() if device.type == "cuda" else None
+        if not wanted("fla"):
+            continue
         try:
             cfg = suite_config("config/gdn_130m.py", {}, block_size=T)
             r = bench_model(fla_peer(cfg), B, T, cfg.vocab_size, device, args.steps, args.warmup,
@@ -180,19 +189,17 @@ def main(argv):
         p.add_argument("--steps", type=int, default=10)
         p.add_argument("--warmup", type=int, default=3)
         p.add_argument("--compile", action="store_true")
+        p.add_argument("--models", default=None,
+                       help="comma list of row-name prefixes, e.g. 'gdn,prism L=3,fla'; default all")
         p.add_argument("--out", default=None)
         args = p.parse_args(argv)
+        args.models = args.models.split(",") if args.models else None
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         args.seqlens = [int(s) for s in args.seqlens.split(",")]
         args.backends = (args.backends.split(",") if args.backends else
                          ["triton" if device.type == "cuda" else "chunk"])
         rows = run_suite(args, device)
-        result = dict(env=env_info(device), tokens_per_step=args.tokens_per_step, rows=rows)
         print(table(rows))
-        if args.out:
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
         return
     extra = [a for a in argv if a.startswith(("--steps=", "--warmup="))]
     opts = {a[2:].split("=")[0]: int(a.split("=")[1]) for a in extra}

@@ -6,6 +6,10 @@
 #   device run, kind nvidia-h200, carry [".whl", ".whl_eval"], command:
 #     bash bench/gpu_session.sh            (or STEPS="tests kernel train" to pick)
 #
+# Env: STEPS, TESTS (pytest paths, default tests), TESTS_TIMEOUT / KERNEL_TIMEOUT / TRAIN_TIMEOUT /
+# EVAL_TIMEOUT (seconds per step; the defaults fit one 10-minute call only for some STEPS: the
+# float64 references make the full GPU test set take over 5 minutes on its own).
+#
 # .whl holds flash-linear-attention + fla-core 0.6.0 (the peer), .whl_eval lm-eval and what it
 # needs that the image lacks; see bench/KERNEL_NOTES.md and eval/lm_eval.py for the downloads.
 set -uo pipefail
@@ -24,17 +28,17 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if has tests; then  # correctness first: compiled kernels, chunk backend, decoding, eval, all vs float64
     timeout 60 python3 bench/bench_kernel.py --warm > /dev/null 2>&1
-    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" tests 2>&1 \
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" ${TESTS:-tests} 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -5
 fi
 if has kernel; then
-    timeout 150 python3 bench/bench_kernel.py 2>&1 | tail -25
+    timeout ${KERNEL_TIMEOUT:-150} python3 bench/bench_kernel.py 2>&1 | tail -25
 fi
 if has train; then  # transformer / GDN / PRISM L=2,3 / hybrid / fla GDN model, same run
-    timeout 180 python3 bench.py --suite --seqlens=2048,8192,16384 --steps=6 --warmup=2 \
+    timeout ${TRAIN_TIMEOUT:-180} python3 bench.py --suite --seqlens=2048,8192,16384 --steps=6 --warmup=2 \
         --out="$OUT/train_bench.json" 2>&1 | tail -25
 fi
 if has eval; then
-    timeout 120 python3 bench/bench_eval.py 2>&1 | tail -20
+    timeout ${EVAL_TIMEOUT:-120} python3 bench/bench_eval.py 2>&1 | tail -20
 fi
 ls -la "$OUT"

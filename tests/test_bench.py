@@ -26,3 +26,14 @@ def test_suite_rows_are_the_config_files():
     assert cfgs["prism L=2"].solver_steps == 2 and cfgs["prism L=3"].solver_steps == 3
     assert cfgs["hybrid (prism L=3 + attn 5,11)"].attn_layers == (5, 11)
     assert len({(c.n_embd, c.n_layer, c.vocab_size) for c in cfgs.values()}) == 1
+
+
+def test_suite_filter_and_json(tmp_path):
+    out = tmp_path / "suite.json"
+    r = subprocess.run([sys.executable, "bench.py", "--suite", "--seqlens=16", "--tokens_per_step=16",
+                        "--models=gdn", "--steps=1", "--warmup=0", f"--out={out}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = json.load(open(out))["rows"]
+    assert [(x["model"], x["T"], x["B"]) for x in rows] == [("gdn", 16, 1)]
+    assert rows[0]["step_ms"] > 0 and rows[0]["params_M"] > 100
