@@ -37,7 +37,7 @@ PY
 
 common=("$CONFIG" --data_dir="$WORK/data" --dataset=synthetic --batch_size="$MICRO"
         --max_iters="$ITERS" --eval_interval=100000 --eval_iters=1 --log_interval=1
-        --warmup_iters=5 --keep_checkpoints=1)
+        --warmup_iters=5 --keep_checkpoints=1 --compile="${COMPILE:-False}")  # committed run: eager
 [ -n "$BACKEND" ] && common+=(--backend="$BACKEND")
 
 echo "== 1 GPU"

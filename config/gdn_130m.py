@@ -35,6 +35,10 @@ weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
+# torch.compile fuses the layers' elementwise work around the Triton kernels (which it leaves
+# alone): +36% tokens/s for GDN, +41% for PRISM L=3 on the H200 (bench.py, BENCHMARKS.md), for
+# about a minute of compiling at the start. --compile=False for eager mode.
+compile = True
 eval_interval = 250
 eval_iters = 20
 log_interval = 10
