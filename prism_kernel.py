@@ -9,6 +9,7 @@ Entry points:
     chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
                 output_final_state=False) -> (o, final_state)        # autograd-aware
     recurrent_prism_step(q, k, v, g, beta, ke, ve, scale, state) -> (o, new_state)   # decoding
+    causal_conv(x, weight, silu=True) -> y                # the layers' short conv, autograd-aware
 
 Per chunk (local positions t, i; G = in-chunk cumulative log-decay; Gam[t,i] = exp(G_t - G_i)):
     A  = diag(beta) (Gam * strict_tril(K K^T)),   E_l = Gam * strict_tril(K Ke_l^T)
@@ -26,6 +27,8 @@ Kernels (grid in brackets; NT chunks, NV value blocks, BH = batch*heads):
             _fwd_out [NV, NT, BH] -> O
   backward: _bwd_dv_local [NV, NT, BH] -> scale P^T dO   _bwd_state [NV, BH] -> dh (reverse), dU, dS0
             _bwd_local [NT, BH] -> dq, dk, dv, dbeta, dg, dke, dve (all chunk-local terms)
+            experimental (PRISM_KERNEL_SPLIT_BWD=1): _bwd_rows [NT, BH, L-1] takes the injected
+            rows' terms out of _bwd_local, whose register spills grow with L
 The backward is derived by hand (see _bwd_local's comments); tests/test_kernel.py checks every
 gradient against autograd through the float64 token-by-token recurrence.
 
