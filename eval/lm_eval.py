@@ -60,6 +60,7 @@ from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from eval.compare import results_table  # noqa: E402
+from train import atomic_write  # noqa: E402
 
 DEFAULT_TASKS = ["wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy",
                  "arc_challenge", "boolq", "openbookqa", "sciq"]
@@ -301,12 +302,7 @@ def evaluate(lm, tasks, include_path=None, include_defaults=True, limit=None, lo
 
 def _atomic_write(path, text):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, text.encode("utf-8"))
 
 
 def _parse_limit(s):
