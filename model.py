@@ -295,7 +295,7 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        fused = backend == "triton" and cache is None   # Triton short conv too
+        fused = backend == "triton"   # Triton short conv too (ShortConv keeps torch's for a cache)
         q, k, v = self.conv(qkv, cache, "conv", fused).split([H * K, H * K, H * V], -1)
         v = v.view(B, T, H, V)
         # autocast runs normalisation in float32; hand the recurrence one dtype
