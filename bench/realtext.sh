@@ -14,6 +14,13 @@
 #   realtext_train.log      the three runs' stdout/stderr, concatenated
 #   realtext_<model>.jsonl  train.py's log.jsonl of each run
 #
+# On several GPUs, GPUS="0 1" runs the models in parallel lanes, model i on GPU GPUS[i mod n]
+# (each lane runs its models one after another), then summarises once; every model still sees the
+# same tokens in the same order, so the comparison is unchanged. PHASE=train|summary|all (default
+# all) splits the two halves, e.g. to train one model on a GPU that first ran something else:
+#   CUDA_VISIBLE_DEVICES=1 MODELS="gdn prism" PHASE=train bash bench/realtext.sh &
+#   (other work on GPU 0); CUDA_VISIBLE_DEVICES=0 MODELS=hybrid PHASE=train bash bench/realtext.sh
+#   wait; PHASE=summary bash bench/realtext.sh
 # Env: TOKENS (per model; rounded up to whole steps), MODELS ("gdn prism hybrid"), RUN_TIMEOUT
 # (seconds per model; SIGTERM makes train.py stop cleanly at the end of a step), SAVE_CKPT=1 to
 # keep train.py's checkpoints (off, via --save_checkpoints=False: train.py saves model + AdamW state, 1.75 GB, at every
@@ -57,23 +64,48 @@ echo "realtext: models [$MODELS], $ITERS iters x $STEP_TOKENS tokens = $((ITERS 
      "timeout ${RUN_TIMEOUT}s each, data $DATA_DIR/$DATASET"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+PHASE=${PHASE:-all}
+GPUS=(${GPUS:-})
+train_one() {  # $1 = model; its stdout/stderr, exit code and wall time stay in $RUNS/$1
+    local m=$1 t0 rc secs save args
+    rm -rf "${RUNS:?}/$m"; mkdir -p "$RUNS/$m"
+    args=(${CONF[$m]} --out_dir="$RUNS/$m" --data_dir="$DATA_DIR" --dataset="$DATASET"
+          --max_iters="$ITERS" "${EXTRA[@]}" ${TRAIN_ARGS:-})
+    echo "=== $m: train.py ${args[*]}" > "$RUNS/$m/train.log"
+    echo "=== $m: training (GPU ${CUDA_VISIBLE_DEVICES:-default})"
+    t0=$(date +%s.%N)
+    save=$([ "${SAVE_CKPT:-0}" = 1 ] && echo True || echo False)
+    timeout -k 15 "$RUN_TIMEOUT" $PY train.py "${args[@]}" --save_checkpoints=$save >> "$RUNS/$m/train.log" 2>&1
+    rc=$?
+    secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    echo "$m=$rc=$secs" > "$RUNS/$m/wall.txt"
+    echo "=== $m: exit $rc after $secs s" | tee -a "$RUNS/$m/train.log"
+    tail -4 "$RUNS/$m/train.log" | grep -v '^===' || true
+}
+for m in $MODELS; do
+    [ -n "${CONF[$m]:-}" ] || { echo "realtext.sh: unknown model '$m' (gdn, prism, hybrid)" >&2; exit 2; }
+done
+if [ "$PHASE" != summary ]; then
+    if [ ${#GPUS[@]} -gt 1 ]; then
+        i=0; declare -A LANE=()
+        for m in $MODELS; do g=${GPUS[$((i % ${#GPUS[@]}))]}; LANE[$g]="${LANE[$g]:-} $m"; i=$((i + 1)); done
+        for g in "${!LANE[@]}"; do
+            ( export CUDA_VISIBLE_DEVICES=$g; for m in ${LANE[$g]}; do train_one "$m"; done ) &
+        done
+        wait
+    else
+        for m in $MODELS; do train_one "$m"; done
+    fi
+fi
+[ "$PHASE" = train ] && exit 0
+
 LOG="$OUT/realtext_train.log"
 : > "$LOG"
 WALL=()
 for m in $MODELS; do
-    [ -n "${CONF[$m]:-}" ] || { echo "realtext.sh: unknown model '$m' (gdn, prism, hybrid)" >&2; exit 2; }
-    rm -rf "${RUNS:?}/$m"
-    args=(${CONF[$m]} --out_dir="$RUNS/$m" --data_dir="$DATA_DIR" --dataset="$DATASET"
-          --max_iters="$ITERS" "${EXTRA[@]}" ${TRAIN_ARGS:-})
-    echo "=== $m: train.py ${args[*]}" | tee -a "$LOG"
-    t0=$(date +%s.%N)
-    save=$([ "${SAVE_CKPT:-0}" = 1 ] && echo True || echo False)
-    timeout -k 15 "$RUN_TIMEOUT" $PY train.py "${args[@]}" --save_checkpoints=$save >> "$LOG" 2>&1
-    rc=$?
-    secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-    WALL+=("$m=$rc=$secs")
-    echo "=== $m: exit $rc after $secs s" | tee -a "$LOG"
-    tail -3 "$LOG" | grep -v '^===' || true
+    [ -f "$RUNS/$m/wall.txt" ] || { echo "realtext.sh: $m has no finished run in $RUNS/$m" >&2; continue; }
+    WALL+=("$(cat "$RUNS/$m/wall.txt")")
+    cat "$RUNS/$m/train.log" >> "$LOG"
     [ -f "$RUNS/$m/log.jsonl" ] && cp "$RUNS/$m/log.jsonl" "$OUT/realtext_$m.jsonl"
 done
 
