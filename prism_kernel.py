@@ -26,9 +26,11 @@ Kernels (grid in brackets; NT chunks, NV value blocks, BH = batch*heads):
   forward:  _fwd_prep [NT, BH]  -> G, Tm, W, U'       _fwd_state [NV, BH] -> h (chunk states), U
             _fwd_out [NV, NT, BH] -> O
   backward: _bwd_dv_local [NV, NT, BH] -> scale P^T dO   _bwd_state [NV, BH] -> dh (reverse), dU, dS0
-            _bwd_local [NT, BH] -> dq, dk, dv, dbeta, dg, dke, dve (all chunk-local terms)
-            experimental (PRISM_KERNEL_SPLIT_BWD=1): _bwd_rows [NT, BH, L-1] takes the injected
-            rows' terms out of _bwd_local, whose register spills grow with L
+            _bwd_rows [NT, BH, L-1] -> dke, dve and float32 partials of dq, dk, dbeta, dg
+                                        (one injected row per program)
+            _bwd_local [NT, BH] -> dq, dk, dv, dbeta, dg (GDN's chunk-local terms + the partials)
+The injected rows get programs of their own because holding their terms and GDN's in one
+program spilled registers in proportion to L (bench/KERNEL_NOTES.md, version 3).
 The backward is derived by hand (see _bwd_local's comments); tests/test_kernel.py checks every
 gradient against autograd through the float64 token-by-token recurrence.
 
@@ -47,9 +49,6 @@ CHUNK = 64
 # Debug: fill every buffer this module allocates with NaN before the kernels write it, so a
 # test can prove every element it reads back was written.
 POISON = os.environ.get("PRISM_KERNEL_POISON", "0") == "1"
-# Experimental, off until it has passed the GPU tests on the H200: the injected rows' backward
-# in a kernel of its own (_bwd_rows), to stop _bwd_local's register spills at L >= 2.
-SPLIT_BWD = os.environ.get("PRISM_KERNEL_SPLIT_BWD", "0") == "1"
 
 
 def _empty(*shape, dtype, device):
@@ -282,11 +281,11 @@ def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, T,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _bwd_local(q, k, v, ke, ve, beta, gc, tinv, h, dh, u, du, do,
-               dq, dk, dv, dke, dve, dbeta, dg, dqp, dkp, dbp, dgp, scale, T,
+def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
+               dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, T,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               F32: tl.constexpr, DT: tl.constexpr, SPLIT: tl.constexpr):
+               F32: tl.constexpr, DT: tl.constexpr):
     # Everything chunk-local, given S0 = h[n], dS = dh[n] (grad of the leaving state) and the
     # full dU. Notation: R = diag(b)(V - sum_l E_l Ve_l - diag(e^G) K S0), U = Tm R.
     #   dR = Tm^T dU;  dA = -strict(dR U^T);  dV = b dR;  dE_l = -diag(b) strict(dR Ve_l^T)
@@ -327,12 +326,13 @@ def _bwd_local(q, k, v, ke, ve, beta, gc, tinv, h, dh, u, du, do,
     b_dgc = tl.zeros([BT], dtype=tl.float32)          # d/dG_t of the exp(G_t)-scaled terms
     b_x = tl.zeros([BT], dtype=tl.float32)            # k_i . (dS u_i)
     b_sc = tl.zeros([BV], dtype=tl.float32)          # <dS, S0> partial sums
-    if SPLIT:  # the injected rows' parts from _bwd_rows (dq's is added at the end: it is rescaled)
-        for l in tl.static_range(NE):
-            p_dkp = tl.make_block_ptr(dkp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                      (i_t * BT, 0), (BT, BK), (1, 0))
-            b_dk += tl.load(p_dkp, boundary_check=(0, 1))
-            b_db += tl.load(dbp + ((i_b * T + t_idx) * H + i_h) * NE + l, mask=m_t, other=0.)
+    # the injected rows' dk and dbeta parts from _bwd_rows (dq's comes at the end: dq is rescaled
+    # after the value loop); adding them here, where the accumulators are live anyway, spills least
+    for l in tl.static_range(NE):
+        p_dkp = tl.make_block_ptr(dkp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
+                                  (i_t * BT, 0), (BT, BK), (1, 0))
+        b_dk += tl.load(p_dkp, boundary_check=(0, 1))
+        b_db += tl.load(dbp + ((i_b * T + t_idx) * H + i_h) * NE + l, mask=m_t, other=0.)
     for i_v in range(tl.cdiv(V, BV)):
         p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_u = tl.make_block_ptr(u + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
@@ -377,56 +377,6 @@ def _bwd_local(q, k, v, ke, ve, beta, gc, tinv, h, dh, u, du, do,
     b_dq += _dot(b_dPs, b_k, F32, DT)
     b_dk += _dot(tl.trans(b_dPs), b_q, F32, DT)
 
-    # the injected rows: E_l in the solve, P_l in the output, (Ke_l, Ve_l) in the state
-    # (SPLIT: _bwd_rows computed them in programs of their own; their partials are added below)
-    for l in tl.static_range(0 if SPLIT else NE):
-        p_ke = tl.make_block_ptr(ke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                 (i_t * BT, 0), (BT, BK), (1, 0))
-        b_ke = tl.load(p_ke, boundary_check=(0, 1))
-        b_E = _dot(b_k, tl.trans(b_ke), F32, DT) * gam_s
-        b_Pl = _dot(b_q, tl.trans(b_ke), F32, DT) * gam_c * scale
-        b_G = tl.zeros([BT, BT], dtype=tl.float32)    # dR Ve^T
-        b_dPl = tl.zeros([BT, BT], dtype=tl.float32)  # dO Ve^T
-        b_dke = tl.zeros([BT, BK], dtype=tl.float32)  # e^{G_C - G} Ve dS^T, then the rest
-        b_xl = tl.zeros([BT], dtype=tl.float32)
-        kdec = (b_ke.to(tl.float32) * e_end[:, None]).to(b_ke.dtype)
-        for i_v in range(tl.cdiv(V, BV)):
-            p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-            p_do = tl.make_block_ptr(do + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-            p_dh = tl.make_block_ptr(dh + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-            p_ve = tl.make_block_ptr(ve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                     (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-            b_du = tl.load(p_du, boundary_check=(0, 1))
-            b_do = tl.load(p_do, boundary_check=(0, 1))
-            b_dh = tl.load(p_dh, boundary_check=(0, 1))
-            b_ve = tl.load(p_ve, boundary_check=(0, 1))
-            b_dr = _dot(b_Tt, b_du, F32, DT)
-            b_G += _dot(b_dr, tl.trans(b_ve), F32, DT)
-            b_dPl += _dot(b_do, tl.trans(b_ve), F32, DT)
-            b_kdh = _dot(kdec, b_dh, F32, DT)
-            b_xl += tl.sum(b_ve.to(tl.float32) * b_kdh, axis=1)
-            b_dke += _dot(b_ve.to(tl.float32) * e_end[:, None], tl.trans(b_dh), F32, DT)
-            b_dve = (_dot(tl.trans(b_Pl), b_do, F32, DT) + b_kdh
-                     - _dot(tl.trans(b_E), b_dr * b_beta[:, None], F32, DT))
-            p_dve = tl.make_block_ptr(dve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                      (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-            tl.store(p_dve, b_dve.to(p_dve.dtype.element_ty), boundary_check=(0, 1))
-        b_db -= tl.sum(b_E * b_G, axis=1)
-        b_dE = -tl.where(m_s, b_G, 0.) * b_beta[:, None]
-        b_Ds += b_dE * b_E
-        b_dEs = b_dE * gam_s
-        b_dk += _dot(b_dEs, b_ke, F32, DT)
-        b_dke += _dot(tl.trans(b_dEs), b_k, F32, DT)
-        b_dPl = tl.where(m_c, b_dPl, 0.)
-        b_Ds += b_dPl * b_Pl
-        b_dPls = b_dPl * gam_c * scale
-        b_dq += _dot(b_dPls, b_ke, F32, DT)
-        b_dke += _dot(tl.trans(b_dPls), b_q, F32, DT)
-        b_Ds += tl.where(last[:, None], b_xl[None, :], 0.)
-        p_dke = tl.make_block_ptr(dke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                  (i_t * BT, 0), (BT, BK), (1, 0))
-        tl.store(p_dke, b_dke.to(p_dke.dtype.element_ty), boundary_check=(0, 1))
-
     # dg_r = sum_{s >= r} dG_s  +  sum_{t >= r} sum_{i < r} D[t, i]
     b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], b_dgc[None, :], 0.), axis=1)
     # as Y[r, i] = sum_{t >= r} D[t, i] (an exact 0/1 matmul), then sum_{i < r}: no subtraction
@@ -434,12 +384,11 @@ def _bwd_local(q, k, v, ke, ve, beta, gc, tinv, h, dh, u, du, do,
     b_Ds = tl.where(m_s, b_Ds, 0.)
     b_Y = tl.dot(tl.where(o_t[None, :] >= o_t[:, None], 1., 0.), b_Ds, input_precision="tf32x3")
     b_dg += tl.sum(tl.where(o_t[None, :] < o_t[:, None], b_Y, 0.), axis=1)
-    if SPLIT:
-        for l in tl.static_range(NE):
-            p_dqp = tl.make_block_ptr(dqp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                      (i_t * BT, 0), (BT, BK), (1, 0))
-            b_dq += tl.load(p_dqp, boundary_check=(0, 1))
-            b_dg += tl.load(dgp + ((i_b * T + t_idx) * H + i_h) * NE + l, mask=m_t, other=0.)
+    for l in tl.static_range(NE):
+        p_dqp = tl.make_block_ptr(dqp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
+                                  (i_t * BT, 0), (BT, BK), (1, 0))
+        b_dq += tl.load(p_dqp, boundary_check=(0, 1))
+        b_dg += tl.load(dgp + ((i_b * T + t_idx) * H + i_h) * NE + l, mask=m_t, other=0.)
     p_dq = tl.make_block_ptr(dq + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     p_dk = tl.make_block_ptr(dk + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
@@ -453,10 +402,10 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               F32: tl.constexpr, DT: tl.constexpr):
-    # One injected row l per program (grid [NT, BH, NE]): the same terms as _bwd_local's row
-    # loop, so that no program holds the row terms and the main terms at once (register spills).
-    # dke, dve are final; the dq, dk, dbeta and dg contributions go to float32 partials that
-    # _bwd_local (SPLIT) adds. dg's part is this row's own box sum (the box sum is linear).
+    # The injected rows: E_l in the solve, P_l in the output, (Ke_l, Ve_l) in the state; one row
+    # l per program (grid [NT, BH, NE]) so that no program holds the row terms and GDN's at once
+    # (register spills). dke, dve are final; the dq, dk, dbeta and dg contributions go to float32
+    # partials that _bwd_local adds. dg's part is this row's own box sum (the box sum is linear).
     i_t, i_bh, l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
@@ -603,7 +552,6 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht):
     F32 = dt == torch.float32
     DT = _dot_dtype(dt)
     gc, tinv, w, u, h = saved
-    ke_, ve_ = (ke, ve) if NE else (k, v)
     meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, F32=F32, DT=DT, num_stages=_stages(NE, BK))
     du = _empty(B, T, H, V, dtype=dt, device=dev)
     dh = _empty(B, H, NT, K, V, dtype=dt, device=dev)
@@ -618,8 +566,7 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht):
     dve = _empty(*ve.shape, dtype=dt, device=dev) if NE else None
     dbeta = _empty(B, T, H, dtype=torch.float32, device=dev)
     dg = _empty(B, T, H, dtype=torch.float32, device=dev)
-    split = SPLIT_BWD and NE > 0
-    if split:  # row terms first, in programs of their own; _bwd_local adds their partials
+    if NE:  # row terms first, in programs of their own; _bwd_local adds their partials
         dqp = _empty(B, T, H, NE, K, dtype=torch.float32, device=dev)
         dkp = _empty(B, T, H, NE, K, dtype=torch.float32, device=dev)
         dbp = _empty(B, T, H, NE, dtype=torch.float32, device=dev)
@@ -628,11 +575,10 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht):
                                    dqp, dkp, dbp, dgp, scale, T, NE=NE, **meta,
                                    num_warps=4 if BK <= 64 else 8)
     else:
-        dqp = dkp = dbp = dgp = dbeta  # dummies, never read
-    _bwd_local[(NT, B * H)](q, k, v, ke_, ve_, beta, gc, tinv, h, dh, u, du, do,
-                            dq, dk, dv, dke if NE else dq, dve if NE else dv, dbeta, dg,
-                            dqp, dkp, dbp, dgp, scale, T,
-                            NE=NE, SPLIT=split, **meta, num_warps=4 if BK <= 64 else 8)
+        dqp = dkp = dbp = dgp = dbeta  # GDN: no partials (NE = 0 never reads them)
+    _bwd_local[(NT, B * H)](q, k, v, beta, gc, tinv, h, dh, u, du, do,
+                            dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, T,
+                            NE=NE, **meta, num_warps=4 if BK <= 64 else 8)
     return dq, dk, dv, dg, dbeta, dke, dve, dh0
 
 

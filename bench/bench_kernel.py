@@ -4,7 +4,6 @@ chunk_gated_delta_rule in the same run: forward and forward+backward time (do_be
 activation memory (held between forward and backward) and peak memory of forward+backward.
 
     python bench/bench_kernel.py [--shapes 8,2048,6,128 2,8192,6,128 ...] [--profile]
-    PRISM_KERNEL_SPLIT_BWD=1 python bench/bench_kernel.py   # the experimental split backward
     python bench/bench_kernel.py --warm   # compile every kernel variant the GPU tests and this
                                           # bench use, in parallel processes (Triton disk cache)
 
@@ -23,7 +22,6 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import prism_kernel  # noqa: E402
 from prism_kernel import chunk_prism  # noqa: E402
 
 try:
@@ -143,7 +141,7 @@ def main():
     dev_name = torch.cuda.get_device_name(0)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=dev_name, torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
-                split_bwd=prism_kernel.SPLIT_BWD,  # PRISM_KERNEL_SPLIT_BWD=1: experimental backward
+                backward="split: _bwd_rows + _bwd_local (session 10 on)",
                 dtype="bfloat16", timing="triton.testing.do_bench median, warmup 10 ms, rep 100 ms",
                 memory="act = allocated after forward minus before (output + saved); "
                        "peak = max allocated during fwd+bwd minus before; inputs excluded")

@@ -1,7 +1,7 @@
 """
 Registers and spills of the backward kernels for the H200 (sm_90a), with no GPU: Triton compiles
 to PTX for that target and its bundled ptxas reports the resource use. bf16, K = V = 128, L = 1..4,
-the default backward and the experimental split one (PRISM_KERNEL_SPLIT_BWD=1).
+the two backward kernels that hold the most live state (_bwd_local, _bwd_rows).
 
     python bench/kernel_regs.py
 """
@@ -43,9 +43,7 @@ def ptxas_report(kernel, consts, num_warps):
 def main():
     base = dict(H=6, K=128, V=128, BT=pk.CHUNK, BK=128, BV=32, F32=False, DT=tl.bfloat16)
     for L in (1, 2, 3, 4):
-        for split in ((False, True) if L > 1 else (False,)):
-            print(f"_bwd_local L={L} split={split}: "
-                  + ptxas_report(pk._bwd_local, dict(base, NE=L - 1, SPLIT=split), 8), flush=True)
+        print(f"_bwd_local L={L}: " + ptxas_report(pk._bwd_local, dict(base, NE=L - 1), 8), flush=True)
         if L > 1:
             print(f"_bwd_rows  L={L}: " + ptxas_report(pk._bwd_rows, dict(base, NE=L - 1), 8), flush=True)
 

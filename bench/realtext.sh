@@ -164,7 +164,9 @@ except Exception:  # not installed as a distribution: leave it out
     torch_v = None
 summary = {
     "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    "device": sh(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]) or "cpu",
+    # one model per GPU; the host may have several (GPUS lanes): name one and count them
+    "device": (lambda g: f"{g[0]} (host with {len(g)})" if len(g) > 1 else (g[0] if g else "cpu"))(
+        (sh(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]) or "").splitlines()),
     "torch": torch_v, "tiny_smoke_test": tiny == "1",
     "command": "bash bench/realtext.sh", "iters": iters, "tokens_per_step": step_tokens,
     "tokens_per_model": iters * step_tokens,

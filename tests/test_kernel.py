@@ -105,13 +105,6 @@ def test_tiny_float32_vs_naive(T, H, K, V, L, h0):
     check_against_naive(1, T, H, K, V, L, torch.float32, 1e-4, h0=h0, seed=1234 + T)
 
 
-@pytest.mark.parametrize("L", [2, 4])
-def test_tiny_split_backward_vs_naive(monkeypatch, L):
-    # the experimental split backward (PRISM_KERNEL_SPLIT_BWD=1): the same gradients
-    monkeypatch.setattr(prism_kernel, "SPLIT_BWD", True)
-    check_against_naive(1, 130, 2, 16, 32, L, torch.float32, 1e-4, seed=99 + L)
-
-
 def test_tiny_bf16_vs_naive():
     check_against_naive(2, 70, 1, 16, 16, 2, torch.bfloat16, 2e-2, seed=7)
 
@@ -198,17 +191,6 @@ def test_gpu_vs_naive(poisoned, T, L, dtype, tol, D):
     ref = delta_rule_naive if T <= 2048 else delta_rule_chunk
     errs = check_against_naive(2, T, 2, D, D, L, dtype, tol, reference=ref)
     print(f"\nT={T} L={L} {dtype}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("L", [2, 3, 4])
-@pytest.mark.parametrize("dtype,tol,D", [(torch.float32, 1e-4, 64), (torch.bfloat16, 1e-2, 128)])
-def test_gpu_split_backward(poisoned, monkeypatch, L, dtype, tol, D):
-    # the experimental split backward must pass here before it can become the default
-    monkeypatch.setattr(prism_kernel, "SPLIT_BWD", True)
-    errs = check_against_naive(2, 2048, 2, D, D, L, dtype, tol, reference=delta_rule_chunk)
-    print(f"\nsplit T=2048 L={L} {dtype}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 
 @pytest.mark.gpu
