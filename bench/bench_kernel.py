@@ -23,6 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from prism_kernel import chunk_prism  # noqa: E402
+from train import atomic_write  # noqa: E402
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -141,7 +142,6 @@ def main():
     dev_name = torch.cuda.get_device_name(0)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=dev_name, torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
-                backward="split: _bwd_rows + _bwd_local (session 10 on)",
                 dtype="bfloat16", timing="triton.testing.do_bench median, warmup 10 ms, rep 100 ms",
                 memory="act = allocated after forward minus before (output + saved); "
                        "peak = max allocated during fwd+bwd minus before; inputs excluded")
@@ -180,12 +180,7 @@ def main():
             r["peak_vs_L1"] = round(r["peak_MiB"] / l1[0]["peak_MiB"], 3)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     path = os.path.join(out_dir, "kernel_bench.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(meta=meta, rows=rows, profiles=profiles), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(dict(meta=meta, rows=rows, profiles=profiles), indent=1).encode())
     for name, prof in profiles.items():
         print(f"\nper-kernel us per fwd+bwd, {name}, shape {args.shapes[0]}")
         for k, t in prof:

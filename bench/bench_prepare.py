@@ -34,6 +34,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from realtext_corpus import fortune_cookies  # noqa: E402
 SCRIPT = os.path.join(ROOT, "data", "prepare_slimpajama.py")
 
 
@@ -52,13 +54,7 @@ def corpus():
         used.append(f"Python docs reST sources (python3.11-doc): {len(pydoc)} pages")
     n = 0
     for f in sorted(glob.glob("/usr/share/games/fortunes/*")):
-        if "." in os.path.basename(f) or os.path.isdir(f):
-            continue
-        try:
-            text = open(f, encoding="utf-8").read()
-        except UnicodeDecodeError:
-            continue
-        cookies = [c.strip() for c in text.split("\n%\n") if c.strip()]
+        cookies = fortune_cookies(f)
         docs += [("RedPajamaCommonCrawl", c) for c in cookies]
         n += len(cookies)
     if n:

@@ -320,17 +320,23 @@ def src_bible():
     return [c for c in chapters if len(c) > 200]
 
 
+def fortune_cookies(path):
+    """The cookies of one fortune file ('%' lines separate them); [] for an index (.dat), a
+    directory or a file that is not UTF-8."""
+    if "." in os.path.basename(path) or not os.path.isfile(path):
+        return []
+    try:
+        text = open(path, encoding="utf-8").read()
+    except UnicodeDecodeError:
+        return []
+    return [c.strip() for c in text.split("\n%\n") if c.strip()]
+
+
 def src_fortunes():
     docs = []
     for f in dpkg_files("fortunes"):
-        if not f.startswith("/usr/share/games/fortunes/") or "." in os.path.basename(f) or not os.path.isfile(f):
-            continue
-        try:
-            text = open(f, encoding="utf-8").read()
-        except UnicodeDecodeError:
-            continue
-        cookies = [c.strip() for c in text.split("\n%\n") if c.strip()]
-        docs += pieces(cookies, 2000)  # most cookies are one line: ~2 KB runs of one file's
+        if f.startswith("/usr/share/games/fortunes/"):
+            docs += pieces(fortune_cookies(f), 2000)  # most are one line: ~2 KB documents
     return docs
 
 

@@ -105,6 +105,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from model import Model, ModelConfig, ShortConv  # noqa: E402
+from train import atomic_write  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # token layout
@@ -579,14 +580,8 @@ def _worker(group, s, opts):
 
 
 def save_rows(path, rows):
-    """Atomic write: temp file, fsync, replace."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(rows, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(rows, indent=1).encode())
 
 
 def load_rows(path):
