@@ -139,11 +139,11 @@ def run_suite(args, device):
         jobs = [(name, path, over, be) for name, path, over in SUITE for be in args.backends
                 if wanted(name) and not ("transformer" in path and be != args.backends[0])]
         for name, path, over, backend in jobs:
-            cfg = suite_config(path, over, block_size=T, backend=backend)
+            cfg = suite_config(path, over, block_size=T)
             attn = cfg.mixer == "attention"
             try:
                 torch.manual_seed(0)
-                r = bench_model(Model(cfg), B, T, cfg.vocab_size, device, args.steps, args.warmup,
+                r = bench_model(Model(cfg, backend=backend), B, T, cfg.vocab_size, device, args.steps, args.warmup,
                                 args.compile)
                 emit(dict(model=name, backend="sdpa" if attn else backend,
                           compile=args.compile, **r))
@@ -208,9 +208,9 @@ def main(argv):
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     mcfg = ModelConfig(**model_args_of(cfg))
     torch.manual_seed(cfg["seed"])
-    r = bench_model(Model(mcfg), cfg["batch_size"], mcfg.block_size, mcfg.vocab_size, device,
+    r = bench_model(Model(mcfg, backend=cfg["backend"]), cfg["batch_size"], mcfg.block_size, mcfg.vocab_size, device,
                     opts.get("steps", 10), opts.get("warmup", 3), cfg["compile"])
-    print(json.dumps(dict(env=env_info(device), mixer=mcfg.mixer, backend=mcfg.backend, **r)))
+    print(json.dumps(dict(env=env_info(device), mixer=mcfg.mixer, backend=cfg["backend"], **r)))
 
 
 if __name__ == "__main__":

@@ -40,8 +40,6 @@ class ModelConfig:
     tie_embeddings: bool = True      # at 130M the 32000x768 table is 18% of the weights: share it
     mixer: str = "prism"             # "gdn" | "prism" | "attention"
     attn_layers: tuple = ()          # layer indices that use causal attention instead (hybrid)
-    backend: str = None              # "naive" | "chunk" | "triton"; None = triton on CUDA else chunk
-    chunk_size: int = 64
     conv_size: int = 4               # causal depthwise conv on q, k, v
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -60,18 +58,27 @@ class ModelConfig:
         self.attn_layers = tuple(int(i) for i in self.attn_layers)
         checks = [
             (self.mixer in ("gdn", "prism", "attention"), "mixer must be 'gdn', 'prism' or 'attention'"),
-            (self.backend in (None, "naive", "chunk", "triton"), "backend must be None, 'naive', 'chunk' or 'triton'"),
             (self.solver_keys in ("own", "shared", "base"), "solver_keys must be 'own', 'shared' or 'base'"),
             (self.solver_mode in ("gelu", "linear"), "solver_mode must be 'gelu' or 'linear'"),
             (self.solver_steps >= 1, "solver_steps must be >= 1"),
             (self.n_embd % self.n_head == 0, "n_embd must be divisible by n_head"),
             (all(0 <= i < self.n_layer for i in self.attn_layers), f"attn_layers must lie in [0, {self.n_layer})"),
-            (self.vocab_size > 0 and self.block_size > 0 and self.chunk_size > 0, "sizes must be positive"),
+            (self.vocab_size > 0 and self.block_size > 0, "sizes must be positive"),
             (float(self.head_dim * self.expand_v).is_integer(), "head_dim * expand_v must be an integer"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"ModelConfig: {msg} (got {self})")
+
+    @classmethod
+    def from_dict(cls, args):
+        """A config from saved model args. Keys that older versions stored but that are run-time
+        choices now (LEGACY_KEYS) are dropped; any other unknown key is an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known - set(LEGACY_KEYS))
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown keys {unknown}")
+        return cls(**{k: v for k, v in args.items() if k in known})
 
     @property
     def value_dim(self):
@@ -79,6 +86,11 @@ class ModelConfig:
 
     def layer_mixer(self, i):
         return "attention" if i in self.attn_layers else self.mixer
+
+
+# older checkpoints stored these run-time choices (now Model attributes) with the hyperparameters
+LEGACY_KEYS = ("backend", "chunk_size")
+BACKENDS = ("naive", "chunk", "triton")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,7 +303,7 @@ class GatedDeltaNet(nn.Module):
     def solver_write(self, x, k, v, cache=None, fused=False):
         return None, None
 
-    def forward(self, x, cache=None, backend="chunk"):
+    def forward(self, x, cache=None, backend="chunk", chunk_size=64):
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
@@ -307,7 +319,7 @@ class GatedDeltaNet(nn.Module):
         state = cache.get("state") if cache is not None else None
         o, state = delta_rule(q, k, v, g, beta, ke, ve, initial_state=state,
                               output_final_state=cache is not None, backend=backend,
-                              chunk_size=self.cfg.chunk_size)
+                              chunk_size=chunk_size)
         if cache is not None:
             cache["state"] = state.detach()
         o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
@@ -385,7 +397,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
-    def forward(self, x, cache=None, backend=None):
+    def forward(self, x, cache=None, backend=None, chunk_size=None):  # recurrence options unused
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.hd).unbind(2)
         past = cache["k"].shape[1] if cache is not None and "k" in cache else 0
@@ -447,17 +459,21 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cache=None, backend="chunk"):
-        x = x + self.drop(self.mixer(self.norm1(x), cache, backend))
+    def forward(self, x, cache=None, backend="chunk", chunk_size=64):
+        x = x + self.drop(self.mixer(self.norm1(x), cache, backend, chunk_size))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class Model(nn.Module):
-    def __init__(self, config):
+    """`backend` ("naive" | "chunk" | "triton" | None = Triton on CUDA when importable, else chunk)
+    and `chunk_size` (the PyTorch chunk backend's chunk length; the Triton kernels use 64) are
+    run-time choices that compute the same function: attributes, not hyperparameters."""
+
+    def __init__(self, config, backend=None, chunk_size=64):
         super().__init__()
-        if isinstance(config, dict):
-            config = ModelConfig(**config)
         self.config = cfg = config
+        self.backend = backend
+        self.chunk_size = chunk_size
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
@@ -488,8 +504,24 @@ class Model(nn.Module):
 
     @property
     def backend(self):
-        b = self.config.backend
+        b = self._backend
         return b if b is not None else default_backend(self.wte.weight.device)
+
+    @backend.setter
+    def backend(self, name):
+        if name not in (None, *BACKENDS):
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got {name!r}")
+        self._backend = name
+
+    @property
+    def chunk_size(self):
+        return self._chunk_size
+
+    @chunk_size.setter
+    def chunk_size(self, c):
+        if not (isinstance(c, int) and c > 0):
+            raise ValueError(f"chunk_size must be a positive int, got {c!r}")
+        self._chunk_size = c
 
     def forward(self, idx, targets=None, cache=None):
         """Logits for every position. With `cache` (from init_cache) the call continues the
@@ -500,9 +532,9 @@ class Model(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.drop(self.wte(idx))
-        backend = self.backend
+        backend, chunk_size = self.backend, self.chunk_size
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i], backend)
+            x = block(x, None if cache is None else cache[i], backend, chunk_size)
         logits = self.lm_head(self.norm_f(x))
         loss = None
         if targets is not None:
@@ -558,7 +590,7 @@ class Model(nn.Module):
                 fwd += 2 * T * cfg.n_embd        # QK^T + AV under a causal mask (half of 4TD)
             else:
                 L = cfg.solver_steps if b.mixer_name == "prism" else 1
-                C, K, V = cfg.chunk_size, cfg.head_dim, cfg.value_dim
+                C, K, V = 64, cfg.head_dim, cfg.value_dim  # the Triton kernels' chunk
                 fwd += cfg.n_head * 2 * (C * K * L + C * V * L + 3 * K * V * L)
         return 3 * fwd
 

@@ -31,8 +31,8 @@ def load_checkpoint(path, device="cpu", backend=None):
 
     Reads with torch.load(weights_only=True): a checkpoint is tensors plus plain Python values,
     so nothing in it needs arbitrary unpickling. Strips the '_orig_mod.' (torch.compile) and
-    'module.' (DDP) prefixes. `backend` overrides the stored recurrence backend; a checkpoint
-    trained with the Triton backend falls back to 'chunk' off CUDA. Returns (model, ckpt) where
+    'module.' (DDP) prefixes. `backend` picks the recurrence backend (None: Triton on CUDA,
+    else chunk); older checkpoints' stored backend is ignored. Returns (model, ckpt) where
     ckpt is the checkpoint dict without the weights and optimizer state.
     """
     if not os.path.isfile(path):
@@ -46,13 +46,8 @@ def load_checkpoint(path, device="cpu", backend=None):
         keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
         _fail(path, f"expected a dict with 'model' and 'model_args', got {keys}")
 
-    args = dict(ckpt["model_args"])
-    if backend is not None:
-        args["backend"] = backend
-    elif args.get("backend") == "triton" and not str(device).startswith("cuda"):
-        args["backend"] = "chunk"
     try:
-        config = ModelConfig(**args)
+        config = ModelConfig.from_dict(dict(ckpt["model_args"]))
     except (TypeError, ValueError) as e:
         _fail(path, f"model_args do not fit this model.py: {e}")
 
@@ -62,7 +57,7 @@ def load_checkpoint(path, device="cpu", backend=None):
             while k.startswith(prefix):
                 k = k[len(prefix):]
         state[k] = v
-    model = Model(config)
+    model = Model(config, backend=backend)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

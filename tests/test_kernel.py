@@ -241,7 +241,7 @@ def test_model_triton_backend_matches_chunk(mixer):
     idx = torch.randint(0, 50, (1, 70), device=DEV)
     grads = {}
     for backend in ("chunk", "triton"):
-        model.config.backend = backend
+        model.backend = backend
         model.zero_grad()
         logits, loss = model(idx, idx)
         loss.backward()
