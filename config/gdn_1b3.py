@@ -11,7 +11,8 @@
 # warmup 1907. A shorter run: set max_iters and lr_decay_iters together (e.g. 20480 = 10.7B).
 # Memory: 16 bytes per weight for fp32 weights + grads + AdamW = 21 GB before activations;
 # use --fsdp=True on GPUs under 80 GB (README's memory table).
-# gradient_accumulation_steps is global: on N GPUs each does 32 / N micro-steps of 4 x 4096.
+# Micro-batch 2 x 4096: fits 80 GB GPUs with --fsdp=True, 141 GB ones with DDP (estimated).
+# gradient_accumulation_steps is global: on N GPUs each does 64 / N micro-steps.
 out_dir = "out/gdn_1b3"
 dataset = "slimpajama"
 
@@ -25,8 +26,8 @@ vocab_size = 32000
 block_size = 4096
 tie_embeddings = True
 
-batch_size = 4
-gradient_accumulation_steps = 32
+batch_size = 2
+gradient_accumulation_steps = 64
 max_iters = 190735
 lr_decay_iters = 190735
 warmup_iters = 1907
