@@ -367,6 +367,10 @@ def flag(text):
     raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
 
 
+def checkpointing(text):
+    return "mlp" if text.lower() == "mlp" else flag(text)
+
+
 def optional_flag(text):
     return None if text.lower() in ("none", "auto") else flag(text)
 
@@ -395,9 +399,9 @@ def arg_parser():
                    "none for one configuration")
     p.add_argument("--compile", type=flag, nargs="?", const=True, default=None, metavar="BOOL",
                    help="torch.compile our models (suite); one configuration: overrides its compile key")
-    p.add_argument("--activation_checkpointing", type=flag, nargs="?", const=True, default=None,
-                   metavar="BOOL",
-                   help="recompute each block in the backward (our rows)")
+    p.add_argument("--activation_checkpointing", type=checkpointing, nargs="?", const=True,
+                   default=None, metavar="True|mlp",
+                   help="our rows: recompute each block (True) or each MLP (mlp) in the backward")
     p.add_argument("--fused_loss", type=optional_flag, default=None, metavar="BOOL",
                    help="True/False: force the chunked loss on or off (our rows); default: on CUDA")
     s = p.add_argument_group("--suite")
@@ -422,7 +426,7 @@ def main(argv):
     if args.suite or args.loss:
         if rest:
             raise UserError(f"--suite/--loss take no config files or train keys, got {rest}")
-        args.activation_checkpointing = bool(args.activation_checkpointing)
+        args.activation_checkpointing = args.activation_checkpointing or False
         if args.loss:
             args.out = args.out or "bench/results/loss_bench.json"
             print(loss_table(run_loss(args, device)))

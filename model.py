@@ -450,8 +450,14 @@ class MLP(nn.Module):
         self.w_gate = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.w_up = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.w_down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.recompute = False  # Model.activation_checkpointing = "mlp" sets it
 
     def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():  # keep x, not the [B,T,hidden] pair
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
@@ -477,20 +483,22 @@ class Model(nn.Module):
     """`backend` ("naive" | "chunk" | "triton" | None = Triton on CUDA when importable, else chunk)
     and `chunk_size` (the PyTorch chunk backend's chunk length; the Triton kernels use 64) are
     run-time choices that compute the same function: attributes, not hyperparameters. So are
-    `activation_checkpointing` (True: each block's activations are recomputed in the backward
-    instead of kept) and `fused_loss` (True: the loss is linear_cross_entropy, which never holds
-    the [B*T, vocab] logits; None = on CUDA; False: logits, then F.cross_entropy)."""
+    `activation_checkpointing` (True: every block keeps only its input and is rerun in the
+    backward; "mlp": only the MLPs are, the cheap-to-recompute half holding the widest
+    activations; False: nothing is recomputed) and `fused_loss` (True: the loss is
+    linear_cross_entropy, which never holds the [B*T, vocab] logits; None = on CUDA; False:
+    logits, then F.cross_entropy)."""
 
     def __init__(self, config, backend=None, chunk_size=64):
         super().__init__()
         self.config = cfg = config
         self.backend = backend
         self.chunk_size = chunk_size
-        self.activation_checkpointing = False
         self.fused_loss = None
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.activation_checkpointing = False
         self.norm_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -528,6 +536,18 @@ class Model(nn.Module):
         self._backend = name
 
     @property
+    def activation_checkpointing(self):
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, mode):
+        if mode not in (False, True, "mlp"):
+            raise ValueError(f"activation_checkpointing must be False, True or 'mlp', got {mode!r}")
+        self._checkpointing = mode
+        for b in self.blocks:
+            b.mlp.recompute = mode == "mlp"
+
+    @property
     def chunk_size(self):
         return self._chunk_size
 
@@ -550,7 +570,7 @@ class Model(nn.Module):
                              f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.drop(self.wte(idx))
         backend, chunk_size = self.backend, self.chunk_size
-        recompute = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
+        recompute = self._checkpointing is True and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
             if recompute:  # keep only the block's input; rerun the block in the backward
                 x = checkpoint(block, x, None, backend, chunk_size, use_reentrant=False)

@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import FLA, SUITE, fla_peer, peer_params, suite_config  # noqa: E402
+from bench import FLA, SUITE, checkpointing, fla_peer, peer_params, suite_config  # noqa: E402
 from model import PEAK_FLOPS, Model, training_flops_per_token  # noqa: E402
 
 CATEGORIES = ["matmuls", "recurrence kernels", "conv", "attention", "norms", "loss", "optimizer",
@@ -149,7 +149,8 @@ def main():
     p.add_argument("--B", type=int, default=16)
     p.add_argument("--T", type=int, default=2048)
     p.add_argument("--compile", action="store_true", help="torch.compile every model (the peer too)")
-    p.add_argument("--activation_checkpointing", action="store_true", help="our models")
+    p.add_argument("--activation_checkpointing", type=checkpointing, nargs="?", const=True,
+                   default=False, metavar="True|mlp", help="our models: recompute blocks or MLPs")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the report here")
     p.add_argument("--trace", default=None, help="directory for Chrome traces, one per model")

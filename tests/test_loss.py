@@ -125,15 +125,16 @@ def test_forward_returns_logits_only_when_asked():
     assert m(idx)[1] is None
 
 
+@pytest.mark.parametrize("mode", [True, "mlp"])
 @pytest.mark.parametrize("over", [dict(mixer="prism", solver_steps=3, dropout=0.1),
                                   dict(mixer="gdn", attn_layers=(0,))])
-def test_activation_checkpointing_keeps_gradients(over):
+def test_activation_checkpointing_keeps_gradients(over, mode):
     m = tiny(**over)
     m.train()
     idx, tgt = batch(seed=1)
     torch.manual_seed(5)  # dropout draws the same masks: checkpoint replays the RNG state
     loss_ref, ref = grads_of(m, idx, tgt)
-    m.activation_checkpointing = True
+    m.activation_checkpointing = mode
     torch.manual_seed(5)
     loss, got = grads_of(m, idx, tgt)
     assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-12)
@@ -144,15 +145,18 @@ def test_activation_checkpointing_keeps_gradients(over):
         on = m(idx)[0]
         m.activation_checkpointing = False
         assert torch.equal(on, m(idx)[0])
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        m.activation_checkpointing = "attention"
 
 
-def test_checkpointing_and_fused_loss_under_compile():
-    """torch.compile (aot_eager on CPU) over per-block checkpoints and the fused loss, whose
-    chunk loop runs outside the graph: the gradients of the eager, unchecked model."""
+@pytest.mark.parametrize("mode", [True, "mlp"])
+def test_checkpointing_and_fused_loss_under_compile(mode):
+    """torch.compile (aot_eager on CPU) over the checkpoints and the fused loss, whose chunk
+    loop runs outside the graph: the gradients of the eager model that recomputes nothing."""
     m = tiny(mixer="prism", solver_steps=2)
     idx, tgt = batch(seed=2)
     loss_ref, ref = grads_of(m, idx, tgt)
-    m.activation_checkpointing, m.fused_loss = True, True
+    m.activation_checkpointing, m.fused_loss = mode, True
     compiled = torch.compile(m, backend="aot_eager")
     compiled.zero_grad(set_to_none=True)
     _, loss = compiled(idx, tgt)
