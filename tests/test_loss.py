@@ -73,6 +73,24 @@ def test_fused_loss_edge_cases():
         linear_cross_entropy(h, w, t, chunk=0)
 
 
+def test_fused_loss_under_bf16_autocast():
+    """The mixed-precision path (bf16 logits and products, float32 master weight, gradients
+    summed in float32) on the CPU's autocast: within bf16 rounding of the plain path and of
+    exact float32 math."""
+    h, w, t = loss_inputs(200, 32, 300, torch.float32, seed=3)
+    exact = plain_loss(h, w, t)
+    g_exact = torch.autograd.grad(exact, (h, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-1)
+        fused = linear_cross_entropy(h, w, t, chunk=48)
+    g_plain = torch.autograd.grad(plain, (h, w))
+    g_fused = torch.autograd.grad(fused, (h, w))
+    assert fused.dtype == torch.float32 and all(g.dtype == torch.float32 for g in g_fused)
+    assert abs(fused.item() - plain.item()) <= 1e-3 * plain.item()
+    for gf, gp, ge in zip(g_fused, g_plain, g_exact):
+        assert rel(gf, gp) <= 1e-2 and rel(gf, ge) <= 1e-2
+
+
 def tiny(seed=0, **over):
     torch.manual_seed(seed)
     return Model(ModelConfig(**{**TINY, **over}), backend="chunk").double()
