@@ -145,11 +145,13 @@ def test_forward_returns_logits_only_when_asked():
 
 @pytest.mark.parametrize("mode", [True, "mlp"])
 @pytest.mark.parametrize("over", [dict(mixer="prism", solver_steps=3, dropout=0.1),
-                                  dict(mixer="gdn", attn_layers=(0,))])
+                                  dict(mixer="gdn", attn_layers=(0,)),
+                                  dict(mixer="prism", attn_layers=(1,), reset_at_eos=True)])
 def test_activation_checkpointing_keeps_gradients(over, mode):
     m = tiny(**over)
     m.train()
     idx, tgt = batch(seed=1)
+    idx[0, 5] = idx[1, 0] = idx[2, 7] = m.config.eos_id  # documents for reset_at_eos to cut
     torch.manual_seed(5)  # dropout draws the same masks: checkpoint replays the RNG state
     loss_ref, ref = grads_of(m, idx, tgt)
     m.activation_checkpointing = mode
