@@ -15,14 +15,10 @@ Train keys are the names below; model keys are ModelConfig's fields (model.py).
 import ast
 import dataclasses
 import gc
-import glob
-import hashlib
-import io
 import json
 import math
 import os
 import random
-import re
 import signal
 import sys
 import time
@@ -33,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checkpoint import (CheckpointError, atomic_write, list_checkpoints, load_latest_checkpoint,
+                        rng_state, save_checkpoint, set_rng_state)
 from model import Model, ModelConfig
 
 # -----------------------------------------------------------------------------------------------
@@ -259,99 +257,9 @@ def get_batch(path, starts, block_size, device):
 
 
 # -----------------------------------------------------------------------------------------------
-# checkpoints: atomic writes, last K kept, corrupt ones detected and skipped
+# checkpoints (written, verified and rotated by checkpoint.py)
 
-CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
-
-
-def _fsync_dir(d):
-    try:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def atomic_write(path, data):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def list_checkpoints(out_dir):
-    """Checkpoint paths, newest first."""
-    found = []
-    for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt")):
-        m = CKPT_RE.search(os.path.basename(p))
-        if m:
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def save_checkpoint(out_dir, ckpt, keep):
-    """ckpt_<iter>.pt (+ .sha256 beside it); ckpt.pt links to the newest; prune to the last K."""
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    data = buf.getvalue()
-    path = os.path.join(out_dir, f"ckpt_{ckpt['iter_num']:07d}.pt")
-    atomic_write(path, data)
-    atomic_write(path + ".sha256", hashlib.sha256(data).hexdigest().encode())
-    link = os.path.join(out_dir, "ckpt.pt")
-    try:
-        tmp = link + ".tmp"
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        os.symlink(os.path.basename(path), tmp)
-        os.replace(tmp, link)
-    except OSError:
-        pass
-    for old in list_checkpoints(out_dir)[max(keep, 1):]:
-        for p in (old, old + ".sha256"):
-            if os.path.exists(p):
-                os.remove(p)
-    return path
-
-
-def load_checkpoint(path):
-    """Load one checkpoint; raise ValueError saying why it is unusable."""
-    with open(path, "rb") as f:
-        data = f.read()
-    digest_path = path + ".sha256"
-    if os.path.isfile(digest_path):
-        with open(digest_path) as f:
-            want = f.read().strip()
-        if hashlib.sha256(data).hexdigest() != want:
-            raise ValueError("sha256 does not match the digest written with it (truncated or corrupt)")
-    try:
-        ckpt = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for a damaged zip
-        raise ValueError(f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-    missing = [k for k in ("model", "optimizer", "model_args", "iter_num", "data_pos") if k not in ckpt]
-    if missing:
-        raise ValueError(f"lacks keys {missing}")
-    return ckpt
-
-
-def load_latest_checkpoint(out_dir, log=print):
-    """Newest checkpoint that loads; corrupt ones are reported and skipped."""
-    paths = list_checkpoints(out_dir)
-    if not paths:
-        raise UserError(f"init_from='resume' but no checkpoint (ckpt_*.pt) in {out_dir}")
-    for i, p in enumerate(paths):
-        try:
-            return p, load_checkpoint(p)
-        except ValueError as e:
-            nxt = paths[i + 1] if i + 1 < len(paths) else None
-            log(f"warning: checkpoint {p} is unusable: {e}; "
-                + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))
-    raise UserError(f"no usable checkpoint in {out_dir} (tried {len(paths)})")
+RESUME_KEYS = ("model", "optimizer", "model_args", "iter_num", "data_pos")
 
 
 def check_resume_model_args(ckpt_args, model_args):
@@ -364,24 +272,6 @@ def check_resume_model_args(ckpt_args, model_args):
 
 def _norm(v):
     return list(v) if isinstance(v, (list, tuple)) else v
-
-
-def rng_state(device):
-    np_state = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state, device):
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
-    torch.set_rng_state(state["torch"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -484,7 +374,12 @@ def train(cfg):
     iter_num, data_pos, best_val, skipped, bad_streak = 0, 0, float("inf"), 0, 0
     ckpt = None
     if cfg["init_from"] == "resume":
-        ckpt_path, ckpt = load_latest_checkpoint(cfg["out_dir"], log)
+        if not list_checkpoints(cfg["out_dir"]):
+            raise UserError(f"init_from='resume' but no checkpoint (ckpt_*.pt) in {cfg['out_dir']}")
+        try:
+            ckpt_path, ckpt = load_latest_checkpoint(cfg["out_dir"], RESUME_KEYS, log, move=master)
+        except CheckpointError as e:
+            raise UserError(str(e))
         check_resume_model_args(ckpt["model_args"], model_args)
         check_data_meta(meta, model_args, ckpt.get("data_meta"))
         changed = [k for k in TRAIN_DEFAULTS if k in ckpt.get("config", {})
@@ -601,7 +496,7 @@ def train(cfg):
                 "model_args": model_args, "iter_num": iter_num, "data_pos": data_pos,
                 "best_val_loss": best_val, "config": cfg, "data_meta": meta, "rng": rngs,
                 "world_size": world, "skipped": skipped, "bad_streak": bad_streak,
-            }, cfg["keep_checkpoints"])
+            }, cfg["keep_checkpoints"], log)
         if ddp:
             dist.barrier()
         return path

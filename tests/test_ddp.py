@@ -12,6 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 from test_train import TINY, make_dataset, read_log  # noqa: E402
 
@@ -55,7 +56,7 @@ def test_ddp_matches_single_process_and_resumes(tmp_path):
     assert len(vals2) == len(vals1) == 3 and vals2 == pytest.approx(vals1, rel=1e-5)
     ckpt = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=True)
     assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2 and ckpt["data_pos"] == 6 * 16
-    assert len(train.list_checkpoints(tmp_path / "two")) == 2  # 3, 6
+    assert len(checkpoint.list_checkpoints(tmp_path / "two")) == 2  # 3, 6
 
 
 def test_ddp_rejects_accumulation_not_divisible_by_world(tmp_path, monkeypatch, capsys):

@@ -16,6 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 
@@ -227,7 +228,7 @@ def test_kill9_then_resume_matches(reference, data, tmp_path):
     wait_for_iter(out, 7, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert train.list_checkpoints(out)
+    assert checkpoint.list_checkpoints(out)
     assert run(args(data, out, "--max_iters=10", "--eval_interval=3", "--init_from=resume")) == 0
     losses, _ = read_log(out)
     assert sorted(losses) == list(range(1, 11))
@@ -250,29 +251,123 @@ def test_sigterm_saves_and_exits_zero(data, tmp_path):
     assert sorted(read_log(out)[0]) == list(range(1, stopped + 3))
 
 
-def test_corrupt_latest_checkpoint_falls_back(reference, data, tmp_path, capsys):
+RESUME = train.RESUME_KEYS
+
+
+def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(reference, data, tmp_path, capsys):
     ref_dir, ref = reference
     out = tmp_path / "corrupt"
     shutil.copytree(ref_dir, out, symlinks=True)
     latest = out / "ckpt_0000010.pt"
     raw = latest.read_bytes()
     latest.write_bytes(raw[: len(raw) // 2])  # truncated
-    path, ckpt = train.load_latest_checkpoint(out)
+    path, ckpt = checkpoint.load_latest_checkpoint(out, RESUME, log=print)
     assert path.endswith("ckpt_0000009.pt") and ckpt["iter_num"] == 9
-    assert "ckpt_0000010.pt is unusable" in capsys.readouterr().out
+    assert "ckpt_0000010.pt is unusable (sha256 does not match" in capsys.readouterr().out
+    # moved aside with its digest: never listed, resumed from or rotated again
+    assert (out / "ckpt_0000010.pt.corrupt").read_bytes() == raw[: len(raw) // 2]
+    assert (out / "ckpt_0000010.pt.sha256.corrupt").exists() and not latest.exists()
+    assert checkpoint.list_checkpoints(out)[0].endswith("ckpt_0000009.pt")
+    assert os.path.realpath(out / "ckpt.pt") == str(out / "ckpt_0000009.pt")  # the link follows
     # same size, flipped bytes: caught by the sha256 written beside it
     flipped = bytearray(raw)
     flipped[len(raw) // 2: len(raw) // 2 + 8] = bytes(8)
     latest.write_bytes(bytes(flipped))
-    assert train.load_latest_checkpoint(out)[0].endswith("ckpt_0000009.pt")
+    os.replace(str(latest) + ".sha256.corrupt", str(latest) + ".sha256")
+    assert checkpoint.load_latest_checkpoint(out, RESUME)[0].endswith("ckpt_0000009.pt")
+    assert not latest.exists()
     # no digest file: torch's own zip check still refuses the truncated file
     latest.write_bytes(raw[: len(raw) // 2])
-    os.remove(str(latest) + ".sha256")
-    assert train.load_latest_checkpoint(out)[0].endswith("ckpt_0000009.pt")
+    assert checkpoint.load_latest_checkpoint(out, RESUME)[0].endswith("ckpt_0000009.pt")
     # end to end: resume falls back to iter 9 and recomputes iter 10 exactly
+    latest.write_bytes(raw[: len(raw) // 2])
+    shutil.copy(out / "ckpt_0000009.pt.sha256", str(latest) + ".sha256")  # a digest that does not match
     assert run(args(data, out, "--max_iters=10", "--eval_interval=3", "--init_from=resume")) == 0
     assert "falling back to" in capsys.readouterr().out
     assert read_log(out)[0][10]["loss"] == ref[10]
+    assert checkpoint.verify(str(latest))  # iter 10 written again, whole
+
+
+def test_rotation_keeps_the_good_checkpoint(reference, data, tmp_path):
+    """keep_checkpoints=2 with a truncated newest: resuming falls back to the one before it, and
+    the next rotation must delete neither that good one nor count the corrupt one."""
+    ref_dir, ref = reference
+    out = tmp_path / "rot"
+    assert run(args(data, out, "--max_iters=10", "--eval_interval=3", "--keep_checkpoints=2")) == 0
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000010.pt", "ckpt_0000009.pt"]
+    latest = out / "ckpt_0000010.pt"
+    latest.write_bytes(latest.read_bytes()[:-100])
+    assert run(args(data, out, "--max_iters=12", "--eval_interval=3", "--keep_checkpoints=2",
+                    "--init_from=resume")) == 0
+    names = [os.path.basename(p) for p in checkpoint.list_checkpoints(out)]
+    assert names == ["ckpt_0000012.pt", "ckpt_0000009.pt"], names
+    assert (out / "ckpt_0000010.pt.corrupt").exists()
+    assert read_log(out)[0][10]["loss"] == ref[10]
+
+
+def test_rotation_deletes_only_what_is_older_than_the_newest_verified(tmp_path):
+    out = str(tmp_path)
+    for it in (1, 2):
+        checkpoint.save_checkpoint(out, {"iter_num": it, "w": torch.zeros(3)}, keep=1)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000002.pt"]
+    # a newer checkpoint with no digest (copied in, or from an older version) is not verified:
+    # keep=1 must not delete the verified one behind it
+    torch.save({"iter_num": 3}, tmp_path / "ckpt_0000003.pt")
+    checkpoint.rotate(out, keep=1)
+    assert len(checkpoint.list_checkpoints(out)) == 2
+    # a newer one whose digest does not match is moved aside and not counted
+    checkpoint.save_checkpoint(out, {"iter_num": 4, "w": torch.ones(3)}, keep=3)
+    (tmp_path / "ckpt_0000004.pt").write_bytes(b"junk")
+    checkpoint.rotate(out, keep=1)
+    assert (tmp_path / "ckpt_0000004.pt.corrupt").exists()
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000003.pt", "ckpt_0000002.pt"]
+    # once the newest is verified, keep=1 leaves it alone
+    checkpoint.save_checkpoint(out, {"iter_num": 5, "w": torch.ones(3)}, keep=1)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000005.pt"]
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt_0000004.pt.corrupt", "ckpt_0000004.pt.sha256.corrupt",
+                                       "ckpt_0000005.pt", "ckpt_0000005.pt.sha256"]
+
+
+def test_checkpoint_without_digest_loads_with_a_warning(reference, tmp_path, capsys):
+    ref_dir, _ = reference
+    src = ref_dir / "ckpt_0000010.pt"
+    p = tmp_path / "ckpt_0000010.pt"
+    raw = bytearray(src.read_bytes())
+    i = raw.index(b"data/0") + 200  # inside the first tensor's bytes: torch's zip reader does not notice
+    raw[i:i + 4] = b"\xff\xff\xff\x7f"
+    p.write_bytes(bytes(raw))
+    ckpt = checkpoint.load_checkpoint(str(p), RESUME)
+    assert ckpt["iter_num"] == 10
+    err = capsys.readouterr().err
+    assert f"warning: {p} has no sha256 beside it" in err and "loaded without verification" in err
+    # with the digest of the original beside it, the same bytes are refused
+    shutil.copy(str(src) + ".sha256", str(p) + ".sha256")
+    with pytest.raises(checkpoint.CheckpointError, match="sha256 does not match"):
+        checkpoint.load_checkpoint(str(p), RESUME)
+    # ckpt.pt (a link) is checked against the digest of the file it points to
+    assert checkpoint.load_checkpoint(str(ref_dir / "ckpt.pt"), RESUME)["iter_num"] == 10
+    assert "without verification" not in capsys.readouterr().err
+
+
+def test_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    p = tmp_path / "sub" / "f.json"
+    checkpoint.atomic_write(str(p), "one")
+    checkpoint.atomic_write(str(p), b"two")
+    assert p.read_text() == "two" and os.listdir(p.parent) == ["f.json"]
+
+    def boom(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.atomic_write(str(p), "three")
+    assert p.read_text() == "two" and os.listdir(p.parent) == ["f.json"]
+
+
+def test_checkpoint_module_imports_without_torch():
+    """Data preparation's spawned workers import it: torch must not come with it."""
+    code = "import sys, checkpoint; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 def test_resume_refuses_changed_model_or_tokenizer(reference, data, tmp_path, capsys):
@@ -318,7 +413,7 @@ def test_nan_step_skipped_then_abort(data, tmp_path, capsys):
                     "--debug_nan_iters=[4,5,6,7]")) == 2
     err = capsys.readouterr().err
     assert "aborting at iter 6: 3 consecutive non-finite steps" in err and "ckpt_0000003.pt" in err
-    assert train.list_checkpoints(out2)[0].endswith("ckpt_0000003.pt")
+    assert checkpoint.list_checkpoints(out2)[0].endswith("ckpt_0000003.pt")
 
 
 def test_oom_suggestion_halves_until_it_fits():
