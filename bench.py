@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from model import Model, ModelConfig
-from train import UserError, atomic_write, model_args_of, parse_config
+from checkpoint import atomic_write
+from settings import UserError, model_args_of, parse_config
 
 # the table's rows: the 130M config files themselves, plus an override where a row differs
 SUITE = [

@@ -17,6 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import checkpoint  # noqa: E402
+import settings  # noqa: E402
 import train  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 
@@ -108,29 +109,29 @@ def reference(data, tmp_path_factory):
 # ------------------------------------------------------------------------------ config
 
 def test_unknown_key_lists_valid_keys(tmp_path):
-    with pytest.raises(train.UserError, match="unknown config key 'bogus'") as e:
-        train.parse_config(["--bogus=1"])
+    with pytest.raises(settings.UserError, match="unknown config key 'bogus'") as e:
+        settings.parse_config(["--bogus=1"])
     assert "batch_size" in str(e.value) and "solver_steps" in str(e.value)
     cfg_file = tmp_path / "c.py"
     cfg_file.write_text("import math\nlearning_rate = math.sqrt(1e-6)\nn_layers = 3\n")
-    with pytest.raises(train.UserError, match="unknown config key 'n_layers'.*c.py"):
-        train.parse_config([str(cfg_file)])
-    with pytest.raises(train.UserError, match="not found"):
-        train.parse_config([str(tmp_path / "missing.py")])
+    with pytest.raises(settings.UserError, match="unknown config key 'n_layers'.*c.py"):
+        settings.parse_config([str(cfg_file)])
+    with pytest.raises(settings.UserError, match="not found"):
+        settings.parse_config([str(tmp_path / "missing.py")])
 
 
 def test_bad_types_rejected_and_good_ones_coerced():
-    with pytest.raises(train.UserError, match="'batch_size' expects int"):
-        train.parse_config(["--batch_size=abc"])
-    with pytest.raises(train.UserError, match="'compile' expects bool"):
-        train.parse_config(["--compile=1"])
-    with pytest.raises(train.UserError, match="'learning_rate' expects float"):
-        train.parse_config(["--learning_rate=fast"])
-    with pytest.raises(train.UserError, match="init_from"):
-        train.parse_config(["--init_from=latest"])
-    cfg = train.parse_config(["--learning_rate=1", "--attn_layers=5,11", "--compile=True",
+    with pytest.raises(settings.UserError, match="'batch_size' expects int"):
+        settings.parse_config(["--batch_size=abc"])
+    with pytest.raises(settings.UserError, match="'compile' expects bool"):
+        settings.parse_config(["--compile=1"])
+    with pytest.raises(settings.UserError, match="'learning_rate' expects float"):
+        settings.parse_config(["--learning_rate=fast"])
+    with pytest.raises(settings.UserError, match="init_from"):
+        settings.parse_config(["--init_from=latest"])
+    cfg = settings.parse_config(["--learning_rate=1", "--attn_layers=5,11", "--compile=True",
                               "--backend=naive", "--dataset=2024"])
-    assert cfg["dataset"] == "2024" and train.parse_config(["--backend=None"])["backend"] is None
+    assert cfg["dataset"] == "2024" and settings.parse_config(["--backend=None"])["backend"] is None
     assert cfg["learning_rate"] == 1.0 and isinstance(cfg["learning_rate"], float)
     assert cfg["attn_layers"] == (5, 11) and cfg["compile"] is True and cfg["backend"] == "naive"
 
@@ -138,17 +139,17 @@ def test_bad_types_rejected_and_good_ones_coerced():
 def test_config_files_build_the_stated_models():
     counts = {}
     for f in sorted((ROOT / "config").glob("*.py")):
-        cfg = train.parse_config([str(f)])
+        cfg = settings.parse_config([str(f)])
         with torch.device("meta"):
-            counts[f.stem] = Model(ModelConfig(**train.model_args_of(cfg))).num_params(non_embedding=False)
+            counts[f.stem] = Model(ModelConfig(**settings.model_args_of(cfg))).num_params(non_embedding=False)
         if f.stem.endswith("130m"):
             assert (cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"], cfg["block_size"]) == (768, 12, 32000, 2048)
             tokens = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"]
             assert tokens == 524288 and abs(tokens * cfg["max_iters"] - 2e9) < tokens
     assert abs(counts["gdn_130m"] - 130e6) <= 10e6
     assert counts["gdn_130m"] < counts["prism_130m"] <= 1.1 * counts["gdn_130m"]
-    assert train.parse_config([str(ROOT / "config/hybrid_130m.py")])["attn_layers"] == (5, 11)
-    assert train.parse_config([str(ROOT / "config/transformer_130m.py")])["mixer"] == "attention"
+    assert settings.parse_config([str(ROOT / "config/hybrid_130m.py")])["attn_layers"] == (5, 11)
+    assert settings.parse_config([str(ROOT / "config/transformer_130m.py")])["mixer"] == "attention"
     assert counts["tiny_cpu"] < 5e6
 
 
@@ -390,12 +391,27 @@ def test_resume_refuses_changed_model_or_tokenizer(reference, data, tmp_path, ca
 
 # ------------------------------------------------------------------------------ faults
 
-def test_nan_step_skipped_then_abort(data, tmp_path, capsys):
+def poison(monkeypatch, iters, accum=2):
+    """Make the loss (and so the gradient) NaN at these iterations (1-based, as logged) of a fresh
+    run with `accum` micro-steps, by wrapping train.forward_loss: a hook the test injects, not a
+    config key."""
+    calls = []
+
+    def forward_loss(model, x, y):
+        calls.append(1)
+        loss = real(model, x, y)
+        return loss * float("nan") if (len(calls) - 1) // accum + 1 in iters else loss
+    real = train.forward_loss
+    monkeypatch.setattr(train, "forward_loss", forward_loss)
+
+
+def test_nan_step_skipped_then_abort(data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "nan"
     # optional loggers on: without their packages (or network) they only warn
     loggers = [f"--{k}=True" for k in ("wandb_log", "tensorboard_log")
                if importlib.util.find_spec(k.split("_")[0]) is None]
-    assert run(args(data, out, "--max_iters=6", "--eval_interval=100", "--debug_nan_iters=[2]", *loggers)) == 0
+    poison(monkeypatch, {2})
+    assert run(args(data, out, "--max_iters=6", "--eval_interval=100", *loggers)) == 0
     losses, _ = read_log(out)
     assert losses[1]["skipped"] == 0 and losses[2]["skipped"] == 1 and losses[6]["skipped"] == 1
     assert all(np.isfinite(losses[i]["loss"]) for i in (1, 3, 4, 5, 6)) and losses[2]["loss"] is None
@@ -409,11 +425,17 @@ def test_nan_step_skipped_then_abort(data, tmp_path, capsys):
         assert f"{flag[2:].split('_')[0]} disabled" in printed
 
     out2 = tmp_path / "nan2"
-    assert run(args(data, out2, "--max_iters=20", "--eval_interval=3", "--max_bad_steps=3",
-                    "--debug_nan_iters=[4,5,6,7]")) == 2
+    poison(monkeypatch, {4, 5, 6, 7})
+    assert run(args(data, out2, "--max_iters=20", "--eval_interval=3", "--max_bad_steps=3")) == 2
     err = capsys.readouterr().err
     assert "aborting at iter 6: 3 consecutive non-finite steps" in err and "ckpt_0000003.pt" in err
     assert checkpoint.list_checkpoints(out2)[0].endswith("ckpt_0000003.pt")
+
+
+def test_no_test_hook_in_the_config():
+    assert "debug_nan_iters" not in settings.DEFAULTS
+    with pytest.raises(settings.UserError, match="unknown config key 'debug_nan_iters'"):
+        settings.parse_config(["--debug_nan_iters=[2]"])
 
 
 def test_oom_suggestion_halves_until_it_fits():
