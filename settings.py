@@ -19,7 +19,7 @@ from model import BACKENDS, ModelConfig
 TRAIN_DEFAULTS = dict(
     # I/O
     out_dir="out",                   # checkpoints and log.jsonl are written here
-    dataset="slimpajama",            # reads <data_dir>/<dataset>/{train,val}.bin, meta.json ("pydoc": built on first use)
+    dataset="slimpajama",            # reads <data_dir>/<dataset>/{train,val}.bin, meta.json; "pydoc" is built on first use
     data_dir="data",                 # the folder that holds the datasets
     init_from="scratch",             # "scratch" | "resume" (newest good checkpoint in out_dir)
     eval_interval=250,               # val loss + checkpoint every this many iterations
@@ -208,7 +208,9 @@ def meanings(source, keys):
 
 
 def _show(v):
-    return repr(v).replace(" ", "") if isinstance(v, (list, tuple)) else str(v)
+    if isinstance(v, (list, tuple)):
+        return repr(v).replace(" ", "")
+    return '""' if v == "" else str(v)
 
 
 def help_text(cfg=None, sources=()):

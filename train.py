@@ -507,10 +507,10 @@ def fmt_time(s):
 
 
 def fmt_tokens(n):
-    """12,345 / 12.3M / 2.00B: exact below a million, then in M, then in B."""
-    if n >= 1e9:
-        return f"{n / 1e9:.2f}B"
-    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+    """12,345 / 12.3M / 2.00B: exact below a million, then in M below a billion, then in B."""
+    if n < 1e6:
+        return f"{n:,}"
+    return f"{n / 1e6:.1f}M" if round(n / 1e6, 1) < 1000 else f"{n / 1e9:.2f}B"
 
 
 def announce(cfg, env, raw_model):
@@ -665,12 +665,12 @@ def train(cfg):
     model = wrap_model(raw_model, cfg, env)
     runlog = RunLog(cfg, env, resumed_at)
     stop = StopSignals(announce=env.master)
-    announce(cfg, env, raw_model)
-    check_cpu_speed(raw_model, cfg, env)
     T = cfg["block_size"]
     t_start, dt_avg, last_eval, oom = time.time(), None, resumed_at, False
     stop.install()
     try:
+        announce(cfg, env, raw_model)
+        check_cpu_speed(raw_model, cfg, env)
         while True:
             final = prog.iter_num >= cfg["max_iters"]
             if (prog.iter_num % cfg["eval_interval"] == 0 or final) and prog.iter_num != last_eval:

@@ -136,6 +136,59 @@ def test_bad_types_rejected_and_good_ones_coerced():
     assert cfg["attn_layers"] == (5, 11) and cfg["compile"] is True and cfg["backend"] == "naive"
 
 
+def test_help_lists_every_key_with_its_default_and_meaning(capsys):
+    for flag in ("--help", "-h"):
+        assert run([flag]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith("usage: python train.py")
+        lines = {ln.split()[0]: ln for ln in text.splitlines() if ln.startswith("  --")}
+        for key, default in settings.DEFAULTS.items():
+            line = lines[f"--{key}={settings._show(default)}"]
+            assert len(line.split(None, 1)) == 2, f"{key} has no meaning in --help"
+        assert "peak learning rate" in lines["--learning_rate=0.003"]
+        assert "1 = GDN exactly" in lines["--solver_steps=3"]
+    # with a config file: the values it sets
+    assert run([str(ROOT / "config/tiny_cpu.py"), "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--n_layer=2 " in text and "after " in text and "tiny_cpu.py" in text
+
+
+def test_near_miss_key_says_did_you_mean(tmp_path, capsys):
+    with pytest.raises(settings.UserError, match="did you mean --learning_rate"):
+        settings.parse_config(["--lerning_rate=1e-3"])
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("n_layers = 3\n")
+    with pytest.raises(settings.UserError, match="did you mean 'n_layer'"):
+        settings.parse_config([str(cfg_file)])
+    assert run(["--gradient_acumulation_steps=4"]) == 2
+    assert "did you mean --gradient_accumulation_steps?" in capsys.readouterr().err
+    with pytest.raises(settings.UserError, match="unknown option '-x'"):
+        settings.parse_config(["-x"])
+
+
+@pytest.mark.parametrize("flag, why", [
+    ("--max_iters=-5", "max_iters=-5: must be >= 1"),
+    ("--max_iters=0", "max_iters=0: must be >= 1"),
+    ("--batch_size=0", "batch_size=0: must be >= 1"),
+    ("--gradient_accumulation_steps=0", "gradient_accumulation_steps=0: must be >= 1"),
+    ("--eval_interval=0", "eval_interval=0: must be >= 1"),
+    ("--learning_rate=-0.001", "learning_rate=-0.001: must be >= 0"),
+    ("--beta2=1.5", "beta2=1.5: must be in [0, 1)"),
+    ("--keep_checkpoints=0", "keep_checkpoints=0: must be >= 1"),
+])
+def test_invalid_values_refused_at_start_up(data, tmp_path, capsys, flag, why):
+    out = tmp_path / "o"
+    assert run(args(data, out, "--max_iters=2", flag)) == 2
+    assert why in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written
+
+
+def test_invalid_values_reported_together():
+    with pytest.raises(settings.UserError) as e:
+        settings.parse_config(["--max_iters=-5", "--batch_size=0", "--min_lr=-1"])
+    assert all(w in str(e.value) for w in ("max_iters=-5", "batch_size=0", "min_lr=-1.0"))
+
+
 def test_config_files_build_the_stated_models():
     counts = {}
     for f in sorted((ROOT / "config").glob("*.py")):
@@ -243,13 +296,67 @@ def test_sigterm_saves_and_exits_zero(data, tmp_path):
     proc.send_signal(signal.SIGTERM)
     text, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, text
-    assert "received SIGTERM" in text
+    assert "received SIGTERM: will save a checkpoint after the current step" in text  # said at once
+    assert "received SIGTERM at iter" in text                                          # then done
     losses, _ = read_log(out)
     stopped = max(losses)
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["iter_num"] == stopped and ckpt["data_pos"] == stopped * 8
     assert run(args(data, out, f"--max_iters={stopped + 2}", "--init_from=resume")) == 0
     assert sorted(read_log(out)[0]) == list(range(1, stopped + 3))
+
+
+def spawn_slow(argv, seconds):
+    """train.py in a subprocess whose every micro-step takes `seconds` longer (a hook the test
+    injects by wrapping train.forward_loss), so that signals land mid-step."""
+    code = ("import sys, time, train\n"
+            "real = train.forward_loss\n"
+            f"train.forward_loss = lambda *a: (time.sleep({seconds}), real(*a))[1]\n"
+            "sys.exit(train.main(sys.argv[1:]))\n")
+    return subprocess.Popen([sys.executable, "-u", "-c", code, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def read_until(proc, text, timeout=120):
+    seen, t0 = [], time.time()
+    while time.time() - t0 < timeout:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"never printed {text!r}:\n{''.join(seen)}")
+
+
+def test_second_signal_stops_at_once_without_saving(data, tmp_path):
+    out = tmp_path / "term2"
+    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=3)
+    read_until(proc, "global batch")
+    time.sleep(0.5)  # inside the first step (6 s long)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    read_until(proc, "will save a checkpoint after the current step")
+    time.sleep(1.5)  # a deliberate second signal, not the launcher's echo of the first
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, text
+    assert "stopped at once by a second SIGTERM; no checkpoint saved" in text
+    assert time.time() - t0 < 5.5  # did not wait for the step to end
+    assert not list(out.glob("ckpt*"))
+
+
+def test_repeated_signal_within_a_second_is_one_request(data, tmp_path):
+    """torchrun and SLURM signal the workers as well as themselves: one stop arrives twice."""
+    out = tmp_path / "term3"
+    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=1)
+    read_until(proc, "global batch")
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, text
+    assert "received SIGINT at iter 1: saved" in text
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 1
 
 
 RESUME = train.RESUME_KEYS
@@ -436,6 +543,57 @@ def test_no_test_hook_in_the_config():
     assert "debug_nan_iters" not in settings.DEFAULTS
     with pytest.raises(settings.UserError, match="unknown config key 'debug_nan_iters'"):
         settings.parse_config(["--debug_nan_iters=[2]"])
+
+
+def test_gpu_sized_config_on_cpu_warns_before_the_first_step(data, tmp_path, capsys, monkeypatch):
+    # the 130M config on this CPU: estimated from its FLOPs per token (model on the meta device)
+    cfg = settings.parse_config([str(ROOT / "config/prism_130m.py")])
+    env = train.Env(ddp=False, rank=0, world=1, device=torch.device("cpu"), dtype="float32")
+    with torch.device("meta"):
+        big = Model(ModelConfig(**settings.model_args_of(cfg)))
+    train.check_cpu_speed(big, cfg, env)
+    text = capsys.readouterr().out
+    assert "warning: this config is sized for a GPU" in text and "524,288 tokens" in text
+    assert "python train.py config/tiny_cpu.py" in text
+    # the tiny test config: no warning on this CPU ...
+    assert run(args(data, tmp_path / "a", "--max_iters=1")) == 0
+    assert "sized for a GPU" not in capsys.readouterr().out
+    # ... but on a CPU a million times slower, a warning before the first step
+    monkeypatch.setattr(train, "cpu_flops", lambda: 1e5)
+    assert run(args(data, tmp_path / "b", "--max_iters=1")) == 0
+    text = capsys.readouterr().out
+    assert "sized for a GPU" in text and text.index("sized for a GPU") < text.index("iter 1: loss")
+
+
+def test_token_counts_and_no_mfu_on_cpu(data, tmp_path, capsys):
+    assert [train.fmt_tokens(n) for n in (2560, 12_345_678, 999_999_999, 2_000_000_000)] == [
+        "2,560", "12.3M", "1.00B", "2.00B"]
+    assert run(args(data, tmp_path / "o", "--max_iters=10", "--eval_interval=10")) == 0
+    text = capsys.readouterr().out
+    assert "10 iters = 2,560 tokens" in text and "0.000B" not in text
+    steps = [ln for ln in text.splitlines() if ln.startswith("iter") and "loss" in ln]
+    assert len(steps) == 12 and not [ln for ln in steps if "mfu" in ln]  # a GPU's peak means nothing on a CPU
+    assert all("mfu" not in r for r in read_log(tmp_path / "o")[1])
+
+
+def test_demo_config_prepares_its_own_data(tmp_path):
+    """python train.py config/tiny_cpu.py on a machine with nothing prepared: the data is built
+    from pydoc_data under data_dir/pydoc, nothing lands in the repo root, a second run reuses it."""
+    before = sorted(os.listdir(ROOT))
+    cmd = [sys.executable, "train.py", "config/tiny_cpu.py", f"--data_dir={tmp_path / 'data'}",
+           f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2", "--eval_iters=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # tokenizer from mistral-common
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "preparing it from Python's documentation" in r.stdout
+    d = tmp_path / "data" / "pydoc"
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["vocab_size"] == 32000 and meta["val_tokens"] > 1000 and meta["train_tokens"] > 20 * meta["val_tokens"]
+    assert sorted(os.listdir(d)) == ["meta.json", "pydoc.txt", "train.bin", "val.bin"]
+    assert sorted(os.listdir(ROOT)) == before
+    r = subprocess.run(cmd[:-3] + ["--max_iters=3", "--init_from=resume", "--eval_iters=1"], cwd=ROOT,
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "preparing" not in r.stdout, r.stdout + r.stderr
 
 
 def test_oom_suggestion_halves_until_it_fits():
