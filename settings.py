@@ -187,6 +187,10 @@ def check_values(cfg):
         ("dropout", 0 <= c["dropout"] < 1, "must be in [0, 1)"),
     ]
     bad = [f"{key}={c[key]!r}: {why}" for key, ok, why in rules if not ok]
+    try:
+        ModelConfig(**model_args_of(c))
+    except ValueError as e:
+        bad.append(str(e))
     if bad:
         raise UserError("invalid config:\n  " + "\n  ".join(bad))
 

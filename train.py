@@ -149,12 +149,11 @@ def load_data(cfg, env, model_args):
     """Check the dataset directory (building the demo dataset when it is missing); refuse data
     whose vocab or token ids do not fit the model."""
     d = os.path.join(cfg["data_dir"], cfg["dataset"])
-    if cfg["dataset"] == DEMO_DATASET and not all(
-            os.path.isfile(os.path.join(d, f)) for f in ("train.bin", "val.bin", "meta.json")):
-        if env.master:
+    if cfg["dataset"] == DEMO_DATASET:
+        if env.master and not all(os.path.isfile(os.path.join(d, f)) for f in ("train.bin", "val.bin", "meta.json")):
             prepare_demo_data(d)
         if env.ddp:
-            dist.barrier()
+            dist.barrier()  # every rank, whatever it saw: the others wait for rank 0's files
     paths = {s: os.path.join(d, f"{s}.bin") for s in ("train", "val")}
     for split, p in paths.items():
         if not os.path.isfile(p):
