@@ -729,7 +729,8 @@ def main(argv):
         print(f"train.py{who}: error: {e}", file=sys.stderr)
         code = 2
     except StopNow as e:
-        print(f"train.py{who}: stopped at once by a second {e}; no checkpoint saved", file=sys.stderr)
+        print(f"train.py{who}: stopped at once by a second {e}; nothing saved since the last checkpoint",
+              file=sys.stderr)
         code = 128 + e.signum
     if dist.is_initialized():
         dist.destroy_process_group()
