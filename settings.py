@@ -19,7 +19,7 @@ from model import BACKENDS, ModelConfig
 TRAIN_DEFAULTS = dict(
     # I/O
     out_dir="out",                   # checkpoints and log.jsonl are written here
-    dataset="slimpajama",            # reads <data_dir>/<dataset>/{train,val}.bin, meta.json; "pydoc" is built on first use
+    dataset="slimpajama",            # <data_dir>/<dataset>/{train,val}.bin + meta.json; "pydoc": built on first use
     data_dir="data",                 # the folder that holds the datasets
     init_from="scratch",             # "scratch" | "resume" (newest good checkpoint in out_dir)
     eval_interval=250,               # val loss + checkpoint every this many iterations
@@ -49,7 +49,7 @@ TRAIN_DEFAULTS = dict(
     device="auto",                   # "auto" = cuda if available else cpu
     dtype="auto",                    # "auto" = bfloat16 autocast on CUDA, float32 on CPU
     compile=False,                   # torch.compile the model (about a minute at the start)
-    backend=None,                    # recurrence: "naive" | "chunk" | "triton"; None = triton on CUDA else chunk
+    backend=None,                    # "naive" | "chunk" | "triton" recurrence; None = triton on CUDA, else chunk
     chunk_size=64,                   # the chunk backend's chunk length (the Triton kernels use 64)
     cpu_threads=0,                   # torch intra-op threads on CPU; 0 = torch's default
     # optional loggers, off by default (the JSONL log in out_dir is always written)

@@ -142,7 +142,8 @@ def prepare_demo_data(d):
           f"  {shlex.join(['python', os.path.relpath(script), *args])}", flush=True)
     r = subprocess.run([sys.executable, script, *args])
     if r.returncode != 0:
-        raise UserError(f"preparing the demo data in {d} failed (exit code {r.returncode}; its error is above)")
+        raise UserError(f"preparing the demo data in {d} failed (exit code {r.returncode}, "
+                        f"its error is above)")
 
 
 def load_data(cfg, env, model_args):
@@ -150,7 +151,8 @@ def load_data(cfg, env, model_args):
     whose vocab or token ids do not fit the model."""
     d = os.path.join(cfg["data_dir"], cfg["dataset"])
     if cfg["dataset"] == DEMO_DATASET:
-        if env.master and not all(os.path.isfile(os.path.join(d, f)) for f in ("train.bin", "val.bin", "meta.json")):
+        ready = all(os.path.isfile(os.path.join(d, f)) for f in ("train.bin", "val.bin", "meta.json"))
+        if env.master and not ready:
             prepare_demo_data(d)
         if env.ddp:
             dist.barrier()  # every rank, whatever it saw: the others wait for rank 0's files
@@ -519,7 +521,8 @@ def announce(cfg, env, raw_model):
             f"{', attention at ' + str(list(a.attn_layers)) if a.attn_layers else ''}), "
             f"backend {raw_model.backend}, device {env.device}, dtype {env.dtype}, world {env.world}")
     env.log(f"global batch: {B} seqs x {G // env.world} micro-steps x {env.world} ranks x {T} tokens = "
-            f"{B * G * T:,} tokens/iter; {cfg['max_iters']} iters = {fmt_tokens(cfg['max_iters'] * B * G * T)} tokens")
+            f"{B * G * T:,} tokens/iter; {cfg['max_iters']} iters = "
+            f"{fmt_tokens(cfg['max_iters'] * B * G * T)} tokens")
 
 
 # -----------------------------------------------------------------------------------------------
