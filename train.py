@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import (CheckpointError, atomic_write, list_checkpoints, load_latest_checkpoint,
                         rng_state, save_checkpoint, set_rng_state)
 from model import Model, ModelConfig
-from settings import TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
+from settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -181,6 +181,17 @@ def load_data(cfg, env, model_args):
     return Data(paths, meta, n_train, n_val, DataOrder(n_train, cfg["block_size"], cfg["seed"]))
 
 
+def data_eos_id(meta, model_args):
+    """reset_at_eos cuts at the data's EOS: meta.json's eos_id, unless the config names another."""
+    eos, ours = meta.get("eos_id"), model_args["eos_id"]
+    if not model_args["reset_at_eos"] or eos is None or eos == ours:
+        return ours
+    if ours != MODEL_DEFAULTS["eos_id"]:
+        raise UserError(f"reset_at_eos: meta.json has eos_id {eos}, the config eos_id {ours}; "
+                        f"drop --eos_id or set --eos_id={eos}")
+    return eos
+
+
 def check_data_meta(meta, model_args, ckpt_meta=None):
     """Refuse data whose vocab (or, on resume, tokenizer) differs from the model's."""
     problems = []
@@ -261,6 +272,7 @@ def build_model(cfg, env, model_args):
     except (ValueError, TypeError) as e:
         raise UserError(str(e))
     raw_model = raw_model.to(env.device)
+    raw_model.activation_checkpointing = cfg["activation_checkpointing"]
     optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                                (cfg["beta1"], cfg["beta2"]), env.device.type)
     return raw_model, optimizer
@@ -311,6 +323,8 @@ def start_or_resume(cfg, env, data, raw_model, optimizer, model_args):
 
 
 def check_resume_model_args(ckpt_args, model_args):
+    # a key the checkpoint lacks is newer than it: the checkpoint ran with its default
+    ckpt_args = {**MODEL_DEFAULTS, **ckpt_args}
     diff = [f"{k} (checkpoint {ckpt_args.get(k)!r}, now {v!r})" for k, v in model_args.items()
             if _norm(ckpt_args.get(k)) != _norm(v)]
     if diff:
@@ -661,6 +675,7 @@ def train(cfg):
     env = setup(cfg)
     model_args = model_args_of(cfg)
     data = load_data(cfg, env, model_args)
+    model_args["eos_id"] = data_eos_id(data.meta, model_args)  # reset_at_eos cuts where the data does
     raw_model, optimizer = build_model(cfg, env, model_args)
     prog = start_or_resume(cfg, env, data, raw_model, optimizer, model_args)
     resumed_at = prog.iter_num if cfg["init_from"] == "resume" else None
