@@ -151,7 +151,7 @@ checkpoint. Weights in {dtype}; tokenizer {tok.name}.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-tok = AutoTokenizer.from_pretrained(PATH)
+tok = AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)
 ids = tok("The meaning of life is", return_tensors="pt").input_ids
 print(tok.decode(model.generate(ids, max_new_tokens=40, do_sample=False)[0], skip_special_tokens=True))
@@ -204,27 +204,30 @@ def verify(path, model, tok, dtype):
     tokenizer.py. Returns the largest relative logit difference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
-    hf_tok = AutoTokenizer.from_pretrained(path)
-    check_tokenizer(hf_tok, tok, path)
-    ids = hf_tok(CHECK_TEXTS[-1] + " " + CHECK_TEXTS[13], return_tensors="pt")["input_ids"]
-    ids = ids[:, :model.config.block_size]
-    ref = model
-    if dtype != torch.float32:  # the reference model with the exported (rounded) weights
-        ref = type(model)(model.config, backend=model._backend, chunk_size=model.chunk_size).eval()
-        ref.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
-    with torch.no_grad():
-        want = ref(ids)[0].float()
-        got = hf(ids).logits.float()
-    rel = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-    if not rel <= 1e-5:
-        _fail(path, f"exported model's logits differ from the checkpoint's (max relative {rel:.2e})")
-    # transformers copied the code into its module cache under this temporary name: drop that copy
-    mod_dir = os.path.dirname(sys.modules[type(hf).__module__].__file__)
-    tmp_entry = os.path.dirname(mod_dir)
-    if os.path.basename(os.path.dirname(tmp_entry)) == "transformers_modules" and \
-            os.path.basename(tmp_entry).startswith("_export_tmp_"):
-        shutil.rmtree(tmp_entry, ignore_errors=True)
-    return rel
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # no question about config code
+        check_tokenizer(hf_tok, tok, path)
+        ids = hf_tok(CHECK_TEXTS[-1] + " " + CHECK_TEXTS[13], return_tensors="pt")["input_ids"]
+        ids = ids[:, :model.config.block_size]
+        ref = model
+        if dtype != torch.float32:  # the reference model with the exported (rounded) weights
+            ref = type(model)(model.config, backend="chunk").eval()
+            ref.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+        with torch.no_grad():
+            want = ref(ids)[0].float()
+            got = hf(ids).logits.float()
+        rel = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        if not rel <= 1e-5:
+            _fail(path, f"exported model's logits differ from the checkpoint's (max relative {rel:.2e})")
+        return rel
+    finally:  # transformers copied the code into its module cache under the temporary name: drop it
+        entry = os.path.dirname(sys.modules[type(hf).__module__].__file__)
+        while os.path.dirname(entry) != entry and \
+                os.path.basename(os.path.dirname(entry)) != "transformers_modules":
+            entry = os.path.dirname(entry)  # transformers_modules/<dir name>[/<hash>]/hf_modeling.py
+        if os.path.basename(os.path.dirname(entry)) == "transformers_modules" and \
+                os.path.basename(entry).startswith("_export_tmp_"):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _is_export(path):
@@ -265,7 +268,9 @@ def export(ckpt, out, tokenizer=None, dtype="float32", force=False):
         args = dataclasses.asdict(model.config)
         args["attn_layers"] = list(args["attn_layers"])
         data = meta.get("data_meta") or {}
-        provenance = {"checkpoint": os.path.abspath(ckpt), "iter_num": meta.get("iter_num"),
+        where = os.path.abspath(ckpt)  # run folder + file, not the whole local path
+        provenance = {"checkpoint": os.path.relpath(where, os.path.dirname(os.path.dirname(where))),
+                      "iter_num": meta.get("iter_num"),
                       "best_val_loss": meta.get("best_val_loss"), "tokenizer": tok.name,
                       "tokenizer_sha256": tok.sha256, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                       "dataset": (meta.get("config") or {}).get("dataset", data.get("dataset"))}
@@ -362,6 +367,12 @@ def read_exported(path):
     prov = cfg.get("prism_export") or {}
     data_meta = {k: prov[k] for k in ("tokenizer", "tokenizer_sha256", "vocab_size", "eos_id") if k in prov}
     return {"model": state, "model_args": args, "data_meta": data_meta, "exported_from": prov}
+
+
+def exported_tokenizer(path):
+    """The SentencePiece file an exported directory carries, or None (`path` is a checkpoint file)."""
+    p = os.path.join(path, "tokenizer.model")
+    return p if os.path.isdir(path) and os.path.isfile(p) else None
 
 
 def load_exported(path, device="cpu", backend=None):

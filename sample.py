@@ -114,8 +114,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     torch.cuda.manual_seed(args.seed)
     model, _ = load_checkpoint(args.ckpt, args.device)
-    exported_tok = os.path.join(args.ckpt, "tokenizer.model")  # an export carries its own
-    tok = load_tokenizer(args.tokenizer or (exported_tok if os.path.isfile(exported_tok) else None))
+    from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
+    tok = load_tokenizer(args.tokenizer or exported_tokenizer(args.ckpt))
     check_vocab(tok, model)
     ctx = ExitStack()
     if "cuda" in args.device:

@@ -174,7 +174,7 @@ def test_untied_head_exports_both_matrices(tmp_path):
 def test_generate_greedy_equals_model_generate(exports, variant):
     from hf_modeling import CACHE_ARG
     _, path, model = exports[variant]
-    hf, tok = hf_model(path), AutoTokenizer.from_pretrained(path)
+    hf, tok = hf_model(path), AutoTokenizer.from_pretrained(path, trust_remote_code=True)
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     ref = model.generate(ids, 12, temperature=0)
     out = hf.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
@@ -194,7 +194,7 @@ def test_sample_py_greedy_text(exports, capsys):
         sample.main(["--ckpt", src, "--start", PROMPT, "--num_samples", "1", "--max_new_tokens", "10",
                      "--temperature", "0", "--device", "cpu"])
         texts.append(capsys.readouterr().out.split("---------------")[0].rstrip("\n"))
-    hf, tok = hf_model(path), AutoTokenizer.from_pretrained(path)
+    hf, tok = hf_model(path), AutoTokenizer.from_pretrained(path, trust_remote_code=True)
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     out = hf.generate(ids, max_new_tokens=10, do_sample=False)[0, 1:].tolist()
     if TOK.eos_id in out[ids.shape[1] - 1:]:
@@ -224,7 +224,8 @@ def test_beam_search_reorders_the_recurrent_state(exports, monkeypatch):
     cache_cls = type(hf).forward.__globals__["PrismCache"]
     calls = []
     orig = cache_cls.reorder_cache
-    monkeypatch.setattr(cache_cls, "reorder_cache", lambda self, idx: (calls.append(idx.tolist()), orig(self, idx)))
+    monkeypatch.setattr(cache_cls, "reorder_cache",
+                        lambda self, idx: (calls.append(idx.tolist()), orig(self, idx)))
     ids = random_ids(1, 6, seed=3)
     kw = dict(max_new_tokens=6, num_beams=4, num_return_sequences=4, do_sample=False)
     with_cache = hf.generate(ids, **kw)
@@ -235,7 +236,7 @@ def test_beam_search_reorders_the_recurrent_state(exports, monkeypatch):
 
 def test_padding_right_scores_left_and_generate_raise(exports):
     _, path, _ = exports["hybrid"]
-    hf, tok = hf_model(path), AutoTokenizer.from_pretrained(path)
+    hf, tok = hf_model(path), AutoTokenizer.from_pretrained(path, trust_remote_code=True)
     texts = ["Hello", "The meaning of life is"]
     enc = tok(texts, return_tensors="pt", padding=True)
     assert tok.padding_side == "right" and not bool(enc["attention_mask"].all())
@@ -349,8 +350,8 @@ def test_lm_eval_simple_evaluate_local_tasks(exports, tmp_path):
     from eval.lm_eval import PrismLM, evaluate
     ckpt, path, _ = exports["prism"]
     lam, wiki = tmp_path / "lam.jsonl", tmp_path / "wiki.jsonl"
-    lam.write_text("".join(json.dumps({"text": t}) + "\n" for t in
-                           ["the cat sat on the mat", "she opened the door and saw a dog", "rain fell all night"]))
+    lam_docs = ["the cat sat on the mat", "she opened the door and saw a dog", "rain fell all night"]
+    lam.write_text("".join(json.dumps({"text": t}) + "\n" for t in lam_docs))
     wiki.write_text("".join(json.dumps({"page": p}) + "\n" for p in
                             [" = Title = \n Some text , with words . \n", " = Short = \n A tiny page . \n"]))
     _local_task(str(tmp_path), "lambada/lambada_openai.yaml", {"test": str(lam)})
@@ -417,13 +418,29 @@ def test_exported_code_imports_only_torch_and_transformers(exports):
         name = todo.pop()
         seen.add(name)
         f = os.path.join(path, name + ".py")
-        outside = [m for m in get_imports(f) if m not in sys.stdlib_module_names and m not in ("torch", "transformers")]
+        outside = [m for m in get_imports(f)
+                   if m not in sys.stdlib_module_names and m not in ("torch", "transformers")]
         assert not outside, f"{name}.py imports {outside}"
         todo += [m for m in get_relative_imports(f) if m not in seen]
     assert seen == {"hf_modeling", "model"}  # prism_kernel.py is fetched at run time, not imported
     for name in export_hf_code_files():
         with open(os.path.join(path, name), "rb") as a, open(os.path.join(ROOT, name), "rb") as b:
             assert a.read() == b.read(), f"{name} is not this repo's file"
+
+
+def test_exported_model_runs_its_own_copy_of_the_kernels(exports):
+    """prism_kernel.py reaches the package transformers imports model.py from, and the Triton
+    backend runs it (here in Triton's interpreter on CPU; on CUDA it is the default backend)."""
+    pytest.importorskip("triton")
+    _, path, model = exports["prism"]
+    hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    model_mod = sys.modules[type(hf.model).__module__]
+    kernels = model_mod.kernels()
+    assert os.path.dirname(kernels.__file__) == os.path.dirname(model_mod.__file__) != ROOT
+    hf.model.backend = "triton"
+    ids = random_ids(1, 16, seed=8)
+    with torch.no_grad():
+        assert rel_err(hf(ids).logits, model(ids)[0]) <= 1e-4
 
 
 def export_hf_code_files():
@@ -463,8 +480,12 @@ def test_load_exported_gives_the_checkpoint_back(exports, variant):
     fresh.load_state_dict(back.state_dict())
     m2, meta = load_checkpoint(path)  # sample.py / eval/ read a directory as a checkpoint
     assert meta["data_meta"]["tokenizer_sha256"] == TOK.sha256
+    assert export_hf.exported_tokenizer(path) == os.path.join(path, "tokenizer.model")
+    assert export_hf.exported_tokenizer(ckpt) is None
     reqs = _instances("loglikelihood", LL_REQUESTS[:3])
-    a = PrismLM(ckpt=path, device="cpu").loglikelihood(reqs)
+    on_dir = PrismLM(ckpt=path, device="cpu")
+    assert on_dir.tokenizer.path == os.path.join(path, "tokenizer.model")  # the export's own tokenizer
+    a = on_dir.loglikelihood(reqs)
     b = PrismLM(ckpt=ckpt, device="cpu").loglikelihood(reqs)
     assert a == b
 
@@ -490,7 +511,8 @@ def test_export_bad_inputs_are_clear_and_leave_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer\.model.*32000 tokens.*small\.pt only 1000"):
         export(save_ckpt(tmp_path / "small.pt", small, data_meta={}), out)
     other = Model(tiny_config(mixer="gdn"))
-    wrong = save_ckpt(tmp_path / "wrong.pt", other, data_meta={"tokenizer": "other", "tokenizer_sha256": "ab" * 32})
+    wrong = save_ckpt(tmp_path / "wrong.pt", other,
+                      data_meta={"tokenizer": "other", "tokenizer_sha256": "ab" * 32})
     with pytest.raises(ValueError, match="trained on data tokenized with other"):
         export(wrong, out)
     with pytest.raises(FileNotFoundError, match="nope.model"):
@@ -498,10 +520,18 @@ def test_export_bad_inputs_are_clear_and_leave_nothing(tmp_path):
     assert not out.exists() and not leftovers(tmp_path)
 
 
+def tmp_modules():
+    """Entries transformers' module cache holds for export's temporary directories."""
+    from transformers.dynamic_module_utils import HF_MODULES_CACHE
+    d = os.path.join(HF_MODULES_CACHE, "transformers_modules")
+    return {n for n in os.listdir(d) if n.startswith("_export_tmp_")} if os.path.isdir(d) else set()
+
+
 def test_export_is_atomic_and_force_replaces_only_exports(tmp_path, monkeypatch):
     torch.manual_seed(9)
     model = Model(tiny_config(mixer="gdn")).eval()
     ckpt = save_ckpt(tmp_path / "m.pt", model)
+    tmp_modules_before = tmp_modules()
     out = tmp_path / "hf"
     export(ckpt, out)
     with pytest.raises(FileExistsError, match="--force"):
@@ -528,6 +558,7 @@ def test_export_is_atomic_and_force_replaces_only_exports(tmp_path, monkeypatch)
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.wte.weight").dtype == torch.bfloat16
     assert not leftovers(tmp_path) and oct(os.stat(path).st_mode & 0o777) != oct(0o700)
+    assert tmp_modules() == tmp_modules_before  # verify() dropped its copy of the code
 
 
 def test_read_exported_errors_name_the_file(exports, tmp_path):
