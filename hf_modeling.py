@@ -28,18 +28,17 @@ import shutil
 from dataclasses import fields
 
 import torch
-import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel, PretrainedConfig
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
 try:  # in an exported directory transformers imports this file as a package: model.py is a sibling
-    from .model import Model, ModelConfig
+    from .model import IGNORE_INDEX, Model, ModelConfig
 except ImportError:
     if __package__:
         raise
-    from model import Model, ModelConfig  # in this repo
+    from model import IGNORE_INDEX, Model, ModelConfig  # in this repo
 
 logger = logging.get_logger(__name__)
 
@@ -215,20 +214,25 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             if (m[:, 1:] & ~m[:, :-1]).any():
                 raise ValueError(f"PrismForCausalLM: attention_mask has zeros before real tokens "
                                  f"(left padding); {PADDING_HELP}")
+        loss = None
         if use_cache:
+            if labels is not None:
+                raise ValueError("PrismForCausalLM: labels (a loss) with use_cache=True are not supported")
             if cache is None or (not isinstance(cache, PrismCache) and cache.get_seq_length() == 0):
                 cache = PrismCache(self.model, input_ids.shape[0])
             elif not isinstance(cache, PrismCache):
                 raise ValueError(f"PrismForCausalLM needs its own PrismCache, got {type(cache).__name__}")
             logits, _ = self.model(input_ids, cache=cache.state)
             cache.seen += input_ids.shape[1]
-        else:
+        elif labels is not None:  # transformers shifts inside: position t predicts labels[t + 1]
+            targets = torch.full_like(input_ids, IGNORE_INDEX)
+            targets[:, :-1] = labels[:, 1:].to(input_ids.device)
+            targets[targets == -100] = IGNORE_INDEX
+            logits, loss = self.model(input_ids, targets=targets, return_logits=True)
             cache = None
+        else:
             logits, _ = self.model(input_ids)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+            cache = None
         out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARG: cache})
         return out if return_dict is not False else out.to_tuple()
 

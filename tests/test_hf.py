@@ -276,10 +276,16 @@ def test_labels_loss_is_shifted_cross_entropy(exports):
     _, path, model = exports["prism"]
     hf = hf_model(path)
     ids = random_ids(2, 10)
+    labels = ids.clone()
+    labels[0, 4:7] = -100  # transformers' ignore index
     with torch.no_grad():
-        loss = hf(ids, labels=ids).loss
-        want = F.cross_entropy(model(ids)[0][:, :-1].reshape(-1, 32000), ids[:, 1:].reshape(-1))
-    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+        out = hf(ids, labels=labels)
+        logits = model(ids)[0]
+        want = F.cross_entropy(logits[:, :-1].reshape(-1, 32000), labels[:, 1:].reshape(-1), ignore_index=-100)
+    assert abs(out.loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    assert rel_err(out.logits, logits) <= 1e-5
+    with pytest.raises(ValueError, match="labels"):
+        hf(ids, labels=labels, use_cache=True)
 
 
 # ------------------------------------------------------------------------------------ lm-eval
