@@ -7,7 +7,7 @@ save_checkpoint(out_dir, ...)  out_dir/ckpt_<iter>.pt with its sha256 in ckpt_<i
                                ckpt.pt -> the newest, older ones rotated away
 load_checkpoint(path)          the dict, checked against the sha256 beside it
 load_latest_checkpoint(dir)    the newest checkpoint that loads; the ones that do not are moved aside
-load_model(path)               an eval-mode Model from a checkpoint (sample.py, eval/, bench/)
+load_model(path)               an eval-mode Model from a checkpoint or an export_hf.py directory
 rng_state / set_rng_state      every random stream a training step draws from
 
 A checkpoint that fails verification is renamed to *.corrupt (its digest to *.sha256.corrupt): it is
@@ -267,13 +267,18 @@ def set_rng_state(state, device):
 
 def load_model(path, device="cpu", backend=None, warn=_stderr):
     """An eval-mode Model on `device` from a checkpoint written by train.py (or any dict with
-    'model' and 'model_args'). Strips the '_orig_mod.' (torch.compile) and 'module.' (DDP) prefixes,
-    checks names, shapes and that every float tensor is finite. `backend` picks the recurrence
-    backend (None: Triton on CUDA, else chunk). Returns (model, meta): meta is the checkpoint
-    without the weights and the optimizer state."""
+    'model' and 'model_args'), or from a directory written by export_hf.py. Strips the
+    '_orig_mod.' (torch.compile) and 'module.' (DDP) prefixes, checks names, shapes and that every
+    float tensor is finite. `backend` picks the recurrence backend (None: Triton on CUDA, else
+    chunk). Returns (model, meta): meta is the checkpoint without the weights and the optimizer
+    state."""
     import torch
     from model import Model, ModelConfig
-    ckpt = load_checkpoint(path, ("model", "model_args"), warn)
+    if os.path.isdir(path):  # a transformers directory written by export_hf.py
+        from export_hf import read_exported
+        ckpt = read_exported(path)
+    else:
+        ckpt = load_checkpoint(path, ("model", "model_args"), warn)
     try:
         config = ModelConfig.from_dict(dict(ckpt["model_args"]))
     except (TypeError, ValueError) as e:

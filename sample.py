@@ -34,7 +34,7 @@ def read_prompt(start):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt)")
+    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt) or an export_hf.py directory")
     p.add_argument("--start", default="", help="prompt text, or FILE:path")
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=200)
@@ -53,7 +53,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     torch.cuda.manual_seed(args.seed)
     model, _ = load_model(args.ckpt, args.device)
-    tok = load_tokenizer(args.tokenizer)
+    from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
+    tok = load_tokenizer(args.tokenizer or exported_tokenizer(args.ckpt))
     check_vocab(tok, model)
     ctx = ExitStack()
     if "cuda" in args.device:
