@@ -5,7 +5,8 @@ Read top to bottom:
   1. ModelConfig                 every knob, validated
   2. the recurrence              delta_rule_naive (ground truth) / delta_rule_chunk / triton hook
   3. mixers                      GatedDeltaNet -> PRISM (the solver write) ; Attention
-  4. Block, Model                pre-norm residual stack, loss, cache decoding, optimizer, MFU
+  4. Block, Model                pre-norm residual stack, loss, generate, optimizer, MFU
+  5. decoding                    the static Cache, one-GEMM decode weights, sampling, CUDA graphs
 
 The PRISM update lives in one place: `PRISM.solver_write` (PRISM_SPEC.md §2). It turns the
 layer input into L-1 extra (key, value) pairs per token; the recurrence writes them into the
@@ -53,6 +54,10 @@ class ModelConfig:
     solver_keys: str = "own"         # "own" | "shared" | "base"
     solver_mode: str = "gelu"        # "gelu" (Algorithm 1) | "linear" (closed form)
     anchor_conv_size: int = 4
+    # packed documents: train.bin joins them with EOS. reset_at_eos starts a new segment at every
+    # EOS (the EOS is its first token): no state, conv tap or attention reaches across it
+    reset_at_eos: bool = False
+    eos_id: int = 2                  # Mistral's </s>; train.py checks it against the data's meta.json
 
     def __post_init__(self):
         self.attn_layers = tuple(int(i) for i in self.attn_layers)
@@ -65,6 +70,7 @@ class ModelConfig:
             (all(0 <= i < self.n_layer for i in self.attn_layers), f"attn_layers must lie in [0, {self.n_layer})"),
             (self.vocab_size > 0 and self.block_size > 0, "sizes must be positive"),
             (float(self.head_dim * self.expand_v).is_integer(), "head_dim * expand_v must be an integer"),
+            (not self.reset_at_eos or 0 <= self.eos_id < self.vocab_size, "eos_id must lie in [0, vocab_size)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -217,6 +223,29 @@ def delta_rule(q, k, v, g, beta, ke=None, ve=None, initial_state=None, output_fi
     raise ValueError(f"unknown backend {backend!r}")
 
 
+def cached_delta_rule(q, k, v, g, beta, ke, ve, state, reset=None, backend="chunk", chunk_size=64):
+    """delta_rule continued from a cache's state [B,H,K,V], which it updates in place; reset
+    [B,T] (reset_at_eos) drops a row's state before the token. Returns o."""
+    T = q.shape[1]
+    if reset is not None and T > 1:  # a prompt with an EOS inside: the state restarts mid-way
+        if backend == "triton":
+            from prism_kernel import recurrent_prism_step
+            return recurrent_prism_step(q, k, v, g, beta, ke, ve, state=state, reset=reset)[0]
+        outs = []
+        for t in range(T):
+            one = [None if x is None else x[:, t:t + 1] for x in (q, k, v, g, beta, ke, ve)]
+            state.mul_(~reset[:, t, None, None, None])
+            o, h = delta_rule_naive(*one, initial_state=state, output_final_state=True)
+            state.copy_(h)
+            outs.append(o)
+        return torch.cat(outs, 1)
+    h0 = state if reset is None else state * ~reset[:, :1, None, None]
+    o, h = delta_rule(q, k, v, g, beta, ke, ve, initial_state=h0, output_final_state=True,
+                      backend=backend, chunk_size=chunk_size)
+    state.copy_(h)
+    return o
+
+
 @functools.cache
 def _no_compile(fn):
     # torch.compile leaves the Triton kernels alone and fuses around them. Wrapped on first use:
@@ -233,6 +262,11 @@ def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_sta
 def _triton_conv(x, weight):
     from prism_kernel import causal_conv
     return causal_conv(x, weight)
+
+
+def _conv_step(x, buf, weight, reset):
+    from prism_kernel import conv_step
+    return conv_step(x, buf, weight, reset)
 
 
 def default_backend(device):
@@ -256,8 +290,10 @@ class RMSNorm(nn.RMSNorm):
 
 
 class ShortConv(nn.Module):
-    """Causal depthwise conv over time, then SiLU. With a cache it continues from the last w-1
-    inputs; fused=True runs prism_kernel.causal_conv (Triton, [B,T,C] in place, no cache)."""
+    """Causal depthwise conv over time, then SiLU. fused=True runs the Triton kernels
+    (prism_kernel.causal_conv; conv_step with a buffer). With `buf` [B,w-1,C], the last w-1
+    inputs before x (a cache's), it continues from them and keeps x's last w-1 there; `reset`
+    [B,T] (reset_at_eos) drops every tap from before the latest reset at or before a token."""
 
     def __init__(self, channels, width):
         super().__init__()
@@ -265,25 +301,41 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, width))
         nn.init.uniform_(self.weight, -1 / math.sqrt(width), 1 / math.sqrt(width))
 
-    def forward(self, x, cache=None, key=None, fused=False):  # x [B,T,C]
-        if fused and cache is None:
+    def forward(self, x, buf=None, reset=None, fused=False):  # x [B,T,C]
+        if buf is not None:
+            return _conv_step(x, buf, self.weight, reset) if fused else self.cached(x, buf, reset)
+        if fused:
             return _no_compile(_triton_conv)(x, self.weight)
         w = self.width - 1
-        past = cache.get(key) if cache is not None else None
-        if past is None:
-            past = x.new_zeros(x.shape[0], w, x.shape[2])
-        xp = torch.cat([past.to(x.dtype), x], 1)
-        if cache is not None:
-            cache[key] = xp[:, xp.shape[1] - w:].detach()
+        xp = torch.cat([x.new_zeros(x.shape[0], w, x.shape[2]), x], 1)
         y = F.conv1d(xp.transpose(1, 2), self.weight.to(x.dtype)[:, None, :], groups=x.shape[2])
         return F.silu(y.transpose(1, 2))
 
+    def cached(self, x, buf, reset):
+        """PyTorch's form of prism_kernel.conv_step (CPU, and the PyTorch backends)."""
+        B, T, C = x.shape
+        W, w = self.width, self.width - 1
+        xp = torch.cat([buf.to(x.dtype), x], 1)
+        taps = xp.unfold(1, W, 1)                                   # [B,T,C,W]: tap j is token t-w+j
+        last = xp[:, T:]                                            # the new buffer: tokens T-w .. T-1
+        if reset is not None:  # a tap counts only from its token's segment start on
+            t = torch.arange(T, device=x.device)
+            start = torch.where(reset, t, -W).cummax(1).values      # [B,T]
+            tap_pos = t[:, None] - w + torch.arange(W, device=x.device)
+            taps = taps * (tap_pos >= start[..., None])[:, :, None, :].to(x.dtype)
+            kept = torch.arange(T - w, T, device=x.device) >= start[:, -1:]      # [B,w]
+            last = last * kept[..., None].to(x.dtype)
+        buf.copy_(last)
+        return F.silu((taps * self.weight.to(x.dtype)).sum(-1))
+
 
 class GatedDeltaNet(nn.Module):
-    """PRISM_SPEC §1. `solver_write` is the hook PRISM fills in; for GDN it writes nothing."""
+    """PRISM_SPEC §1. `solver_write` is the hook PRISM fills in; for GDN it writes nothing.
+    `layer_idx` is the layer's entry in a decoding Cache."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer_idx=0):
         super().__init__()
+        self.layer_idx = layer_idx
         D, H, K, V = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.value_dim
         self.cfg, self.H, self.K, self.V = cfg, H, K, V
         self.q_proj = nn.Linear(D, H * K, bias=cfg.bias)
@@ -300,38 +352,69 @@ class GatedDeltaNet(nn.Module):
         dt = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
 
-    def solver_write(self, x, k, v, cache=None, fused=False):
+    def cache_buffers(self, batch_size, max_len, device, dtype):
+        """This layer's decoding buffers (Model.init_cache): the state S (float32) and the
+        short convs' last inputs. Neither grows with max_len."""
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        conv = self.conv.weight.shape[0]
+        return {"state": torch.zeros(batch_size, self.H, self.K, self.V, dtype=acc, device=device),
+                "conv": torch.zeros(batch_size, self.conv.width - 1, conv, dtype=dtype, device=device)}
+
+    def solver_write(self, x, k, v, buf=None, reset=None, fused=False):
         return None, None
+
+    def solver_step(self, x, buf, reset):
+        return None
 
     def forward(self, x, cache=None, backend="chunk", chunk_size=64):
         B, T, _ = x.shape
+        if cache is not None and backend == "triton" and T <= STEP_TOKENS:
+            return self.step(x, cache)
         H, K, V = self.H, self.K, self.V
+        buf = cache.layers[self.layer_idx] if cache is not None else {}
+        reset = cache.reset if cache is not None else None
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        fused = backend == "triton"   # Triton short conv too (ShortConv keeps torch's for a cache)
-        q, k, v = self.conv(qkv, cache, "conv", fused).split([H * K, H * K, H * V], -1)
+        fused = backend == "triton"   # Triton short conv too
+        q, k, v = self.conv(qkv, buf.get("conv"), reset, fused).split([H * K, H * K, H * V], -1)
         v = v.view(B, T, H, V)
         # autocast runs normalisation in float32; hand the recurrence one dtype
         q = F.normalize(q.view(B, T, H, K), dim=-1).to(v.dtype)
         k = F.normalize(k.view(B, T, H, K), dim=-1).to(v.dtype)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
-        ke, ve = self.solver_write(x, k, v, cache, fused)
-        state = cache.get("state") if cache is not None else None
-        o, state = delta_rule(q, k, v, g, beta, ke, ve, initial_state=state,
-                              output_final_state=cache is not None, backend=backend,
-                              chunk_size=chunk_size)
-        if cache is not None:
-            cache["state"] = state.detach()
+        ke, ve = self.solver_write(x, k, v, buf.get("anchor"), reset, fused)
+        if cache is None:
+            o, _ = delta_rule(q, k, v, g, beta, ke, ve, backend=backend, chunk_size=chunk_size)
+        else:
+            o = cached_delta_rule(q, k, v, g, beta, ke, ve, buf["state"], reset, backend, chunk_size)
         o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
         return self.o_proj(o.reshape(B, T, H * V))
+
+    def step(self, x, cache):
+        """The cached forward of a few tokens on the Triton path (decoding): one GEMM for every
+        input projection, then a kernel each for the short conv, the recurrence (with the q/k
+        norm, the gates and PRISM's solver write inside) and the output norm and gate."""
+        from prism_kernel import gated_rms_norm, recurrent_prism_step
+        B, T, _ = x.shape
+        H, K, V = self.H, self.K, self.V
+        buf, C = cache.layers[self.layer_idx], 2 * H * K + H * V
+        parts = (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj)
+        z = F.linear(x, *stacked_weights(self, "in", parts, compute_dtype(x)))
+        qkv = _conv_step(z[..., :C], buf["conv"], self.conv.weight, cache.reset)
+        q, k, v = qkv.split([H * K, H * K, H * V], -1)
+        o, _ = recurrent_prism_step(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V),
+                                    z[..., C:C + H], z[..., C + H:C + 2 * H], state=buf["state"],
+                                    reset=cache.reset, gates=(self.A_log, self.dt_bias),
+                                    solver=self.solver_step(x, buf, cache.reset), l2norm_qk=True)
+        return self.o_proj(gated_rms_norm(o, z[..., C + 2 * H:], self.o_norm.weight, self.o_norm.eps))
 
 
 class PRISM(GatedDeltaNet):
     """PRISM_SPEC §2: GDN's forgetting and write, plus a rank-(L-1) solver correction computed
     from the input alone (an anchor a_t = silu(ShortConv(x))_t standing in for S_{t-1} k_t)."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, layer_idx=0):
+        super().__init__(cfg, layer_idx)
         L, D, H, K, V, r = cfg.solver_steps, cfg.n_embd, self.H, self.K, self.V, cfg.solver_rank
         self.L = L
         if L == 1:
@@ -348,12 +431,19 @@ class PRISM(GatedDeltaNet):
         self.gain_up = nn.ModuleList(nn.Linear(r, H * V, bias=False) for _ in range(n_gains))
         self.step_proj = nn.Linear(D, H * (L - 1), bias=False)   # b^(l), per head and step
 
-    def solver_write(self, x, k, v, cache=None, fused=False):
+    def cache_buffers(self, batch_size, max_len, device, dtype):
+        bufs = super().cache_buffers(batch_size, max_len, device, dtype)
+        if self.L > 1 and self.cfg.solver_anchor:
+            w = self.anchor_conv.width - 1
+            bufs["anchor"] = torch.zeros(batch_size, w, self.cfg.n_embd, dtype=dtype, device=device)
+        return bufs
+
+    def solver_write(self, x, k, v, buf=None, reset=None, fused=False):
         """Returns ke [B,T,H,L-1,K] and ve = b * delta [B,T,H,L-1,V] (PRISM_SPEC §2.2)."""
         if self.L == 1:
             return None, None
         cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
-        a = self.anchor_conv(x, cache, "anchor", fused) if cfg.solver_anchor else F.silu(x)
+        a = self.anchor_conv(x, buf, reset, fused) if cfg.solver_anchor else F.silu(x)
         z = self.solver_down(a).split(cfg.solver_rank, -1)
         u = self.u_up(z[0]).view(B, T, H, V)                      # proxy of S_{t-1} k_t
         r = v - u                                                 # residual after GDN's write
@@ -377,50 +467,105 @@ class PRISM(GatedDeltaNet):
         ve = torch.stack(deltas, 3) * b[..., None]
         return ke.to(v.dtype), ve.to(v.dtype)
 
+    def solver_step(self, x, buf, reset):
+        """solver_write's projections for the decoding kernel, which forms ke, ve from them
+        (prism_kernel.recurrent_prism_step's `solver`): the anchor conv, then one GEMM for the
+        down-projections and step gates and one block-diagonal GEMM for every up-projection."""
+        if self.L == 1:
+            return None
+        cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
+        nk, ng, R = self.n_keys, self.n_gains, (1 + self.n_keys + self.n_gains) * cfg.solver_rank
+        a = _conv_step(x, buf["anchor"], self.anchor_conv.weight, reset) if cfg.solver_anchor else F.silu(x)
+        dt = compute_dtype(x)
+        za = F.linear(a, stacked_weights(self, "solver_in", (self.solver_down, self.step_proj), dt)[0])
+        ups = (self.u_up, *self.key_up, *self.gain_up)
+        w_up = memoised(self, ("solver_up", dt), [m.weight for m in ups],
+                        lambda: torch.block_diag(*(m.weight for m in ups)).to(dt))
+        zu = F.linear(za[..., :R], w_up)
+        u, keys, gains = zu.split([H * V, nk * H * K, ng * H * V], -1)
+        return dict(u=u.view(B, T, H, V), keys=keys.view(B, T, nk, H, K) if nk else None,
+                    gains=gains.view(B, T, ng, H, V) if ng else None,
+                    steps=za[..., R:].view(B, T, H, self.L - 1), keys_mode=cfg.solver_keys,
+                    mode=cfg.solver_mode, nonlinear=cfg.solver_nonlinear)
+
 
 def rope(x, pos, theta):
-    """Rotary embedding on [B,T,H,D] at integer positions pos [T] (half-split convention)."""
+    """Rotary embedding on [B,T,H,D] at integer positions pos [T] or [B,T] (half-split convention)."""
     D = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    ang = pos.float()[:, None] * inv[None]
-    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
+    ang = pos.float()[..., None] * inv
+    cos, sin = ang.cos().unsqueeze(-2), ang.sin().unsqueeze(-2)       # [(B,)T,1,D/2]
     x1, x2 = x.float().chunk(2, -1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Causal softmax attention with RoPE; FlashAttention when importable, else SDPA."""
+def causal_attention(q, k, v):
+    """Causal softmax attention over q, k, v [B,T,H,D]; FlashAttention when importable."""
+    if _flash_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return _flash_attn(q, k, v, causal=True)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
-    def __init__(self, cfg):
+
+class Attention(nn.Module):
+    """Causal softmax attention with RoPE; FlashAttention when importable, else SDPA.
+    `layer_idx` is the layer's entry in a decoding Cache."""
+
+    def __init__(self, cfg, layer_idx=0):
         super().__init__()
         self.cfg, self.H, self.hd = cfg, cfg.n_head, cfg.n_embd // cfg.n_head
+        self.layer_idx = layer_idx
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
+    def cache_buffers(self, batch_size, max_len, device, dtype):
+        """A static KV cache: k, v [batch_size, max_len, H, D]."""
+        shape = (batch_size, max_len, self.H, self.hd)
+        return {"k": torch.zeros(shape, dtype=dtype, device=device),
+                "v": torch.zeros(shape, dtype=dtype, device=device)}
+
     def forward(self, x, cache=None, backend=None, chunk_size=None):  # recurrence options unused
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.H, self.hd).unbind(2)
-        past = cache["k"].shape[1] if cache is not None and "k" in cache else 0
-        pos = torch.arange(past, past + T, device=x.device)
-        q, k = rope(q, pos, self.cfg.rope_theta), rope(k, pos, self.cfg.rope_theta)
+        qkv = self.qkv(x)
         if cache is not None:
-            if past:
-                k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
-            cache["k"], cache["v"] = k.detach(), v.detach()
-        y = None
-        if _flash_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-            y = _flash_attn(q, k, v, causal=True)  # bottom-right aligned: right for a cache too
-        else:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            if past == 0:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:  # queries sit at the end of the keys: bottom-right causal mask
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-                # cuDNN's attention re-plans for every new key length: slow for decoding
-                with sdpa_kernel(DECODE_SDPA):
-                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            y = y.transpose(1, 2)
-        return self.o_proj(y.reshape(B, T, D))
+            return self.o_proj(self.cached(qkv, cache, backend == "triton").reshape(B, T, D))
+        q, k, v = qkv.view(B, T, 3, self.H, self.hd).unbind(2)
+        pos = torch.arange(T, device=x.device)
+        q, k = rope(q, pos, self.cfg.rope_theta), rope(k, pos, self.cfg.rope_theta)
+        return self.o_proj(causal_attention(q, k, v).reshape(B, T, D))
+
+    def cached(self, qkv, cache, fused):
+        """Attention of the new tokens (qkv [B,T,3*D]) over the cache's window, which they join.
+        Keys are the cache indices begin .. the token's own; RoPE positions count from the
+        segment start (reset_at_eos), i.e. from 0. One token on the Triton path: a kernel writes
+        k, v and another attends (flash-decoding) over the static cache."""
+        B, T, _ = qkv.shape
+        buf, theta = cache.layers[self.layer_idx], self.cfg.rope_theta
+        kc, vc = buf["k"], buf["v"]
+        if fused and T == 1:
+            from prism_kernel import decode_attention, rope_kv_write
+            begin = cache.begins[:, 0] if cache.begins is not None else cache.begin
+            q = rope_kv_write(qkv, *cache.rope, cache.pos, begin, kc, vc)
+            return decode_attention(q, kc, vc, begin, cache.pos)
+        q, k, v = qkv.view(B, T, 3, self.H, self.hd).unbind(2)
+        t = cache.pos + torch.arange(T, device=qkv.device)              # the tokens' cache indices
+        rp = t if cache.begins is None else t - cache.begins
+        q, k = rope(q, rp, theta), rope(k, rp, theta)
+        kc.index_copy_(1, t, k.to(kc.dtype))
+        vc.index_copy_(1, t, v.to(vc.dtype))
+        if T > 1 and cache.length == 0 and cache.begins is None:      # a first prefill
+            return causal_attention(q, k, v)
+        n = cache.max_len if T == 1 else cache.length + T  # one token reads no host value (graphs)
+        j = torch.arange(n, device=qkv.device)
+        mask = j <= t[:, None]                                          # [T,n]
+        if cache.begins is not None:
+            mask = mask & (j >= cache.begins[..., None])                # [B,T,n]
+        mask = mask if mask.dim() == 3 else mask[None]
+        # cuDNN's attention re-plans for every new key length: slow for decoding
+        with sdpa_kernel(DECODE_SDPA):
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :n].to(q.dtype).transpose(1, 2),
+                                               vc[:, :n].to(q.dtype).transpose(1, 2), attn_mask=mask[:, None])
+        return y.transpose(1, 2)
 
 
 try:
@@ -442,7 +587,11 @@ class MLP(nn.Module):
         self.w_up = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.w_down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
-    def forward(self, x):
+    def forward(self, x, step=False):
+        if step:  # decoding on the Triton path: one GEMM for gate and up, one kernel for the product
+            from prism_kernel import silu_mul
+            gate_up = stacked_weights(self, "gate_up", (self.w_gate, self.w_up), compute_dtype(x))
+            return self.w_down(silu_mul(F.linear(x, *gate_up)))
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
@@ -454,14 +603,15 @@ class Block(nn.Module):
         super().__init__()
         self.mixer_name = cfg.layer_mixer(i)
         self.norm1 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mixer = MIXERS[self.mixer_name](cfg)
+        self.mixer = MIXERS[self.mixer_name](cfg, i)
         self.norm2 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cache=None, backend="chunk", chunk_size=64):
         x = x + self.drop(self.mixer(self.norm1(x), cache, backend, chunk_size))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        step = cache is not None and backend == "triton" and x.shape[1] <= STEP_TOKENS
+        return x + self.drop(self.mlp(self.norm2(x), step))
 
 
 class Model(nn.Module):
@@ -523,9 +673,10 @@ class Model(nn.Module):
             raise ValueError(f"chunk_size must be a positive int, got {c!r}")
         self._chunk_size = c
 
-    def forward(self, idx, targets=None, cache=None):
-        """Logits for every position. With `cache` (from init_cache) the call continues the
-        sequence held in the cache: recurrent state and conv buffers, or the KV cache."""
+    def forward(self, idx, targets=None, cache=None, last_only=False):
+        """Logits for every position (last_only: for the last one, [B,1,V]). With `cache` (from
+        init_cache) the call continues the sequence held in the cache: recurrent state and conv
+        buffers, or the KV cache."""
         # checked where it is free: on CUDA it would sync every step, so train.py scans the data
         # once at start-up and the tokenizers cannot produce ids beyond the vocabulary
         if not idx.is_cuda and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
@@ -533,8 +684,14 @@ class Model(nn.Module):
                              f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.drop(self.wte(idx))
         backend, chunk_size = self.backend, self.chunk_size
-        for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i], backend, chunk_size)
+        if cache is not None:
+            cache.begin_step(idx)
+        for block in self.blocks:
+            x = block(x, cache, backend, chunk_size)
+        if cache is not None:
+            cache.end_step(idx.shape[1])
+        if last_only:
+            x = x[:, -1:]
         logits = self.lm_head(self.norm_f(x))
         loss = None
         if targets is not None:
@@ -542,28 +699,81 @@ class Model(nn.Module):
                                    ignore_index=-1)
         return logits, loss
 
-    def init_cache(self, batch_size=None):
-        """One dict per layer, filled lazily by the mixers (state S + conv buffers, or K/V).
-        GDN/PRISM memory stays constant in the sequence length."""
-        return [dict() for _ in self.blocks]
+    def init_cache(self, batch_size, max_len, device=None, dtype=None):
+        """Preallocated decoding buffers (Cache) for batch_size rows of up to max_len tokens: per
+        GDN/PRISM layer the state S (float32) and the short convs' last inputs, which do not grow
+        with max_len; per attention layer a static KV cache [batch_size, max_len, H, D]. Buffers
+        other than the state are in `dtype` (default: the parameters'), on `device` (default:
+        the parameters')."""
+        cfg, p = self.config, self.wte.weight
+        device = p.device if device is None else torch.device(device)
+        dtype = p.dtype if dtype is None else dtype
+        layers = [b.mixer.cache_buffers(batch_size, max_len, device, dtype) for b in self.blocks]
+        rope_tables = None
+        if any(b.mixer_name == "attention" for b in self.blocks):  # cos, sin as rope() forms them
+            D = cfg.n_embd // cfg.n_head
+            inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+            ang = torch.arange(max_len, device=device).float()[..., None] * inv
+            rope_tables = (ang.cos(), ang.sin())
+        return Cache(layers, batch_size, max_len, device, rope_tables,
+                     cfg.eos_id if cfg.reset_at_eos else None)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        cache = self.init_cache(idx.shape[0])
-        logits, _ = self(idx, cache=cache)
-        for _ in range(max_new_tokens):
-            logits = logits[:, -1, :].float()
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float("inf")
-                nxt = torch.multinomial(F.softmax(logits, -1), 1)
-            idx = torch.cat([idx, nxt], 1)
-            logits, _ = self(nxt, cache=cache)
-        return idx
+    def prefill(self, idx, cache):
+        """Feed idx [B,T] into the cache, in pieces of at most PREFILL_TOKENS tokens for models
+        with recurrent layers (the chunk kernels' activations and offsets stay bounded);
+        returns the logits of the last position [B, vocab]."""
+        B, T = idx.shape
+        recurrent = any(b.mixer_name != "attention" for b in self.blocks)
+        piece = max(1, PREFILL_TOKENS // B) if recurrent else T
+        for s in range(0, T, piece):
+            logits, _ = self(idx[:, s:s + piece], cache=cache, last_only=True)
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, graph=None):
+        """Continue every row of idx [B,T] by max_new_tokens tokens; returns [B, T + n].
+
+        temperature 0 (or top_k=1) is greedy; else a draw from softmax(logits / temperature),
+        cut to the top_k tokens when given. With eos_id a row that drew it keeps it for the rest,
+        and decoding ends early once every row has (checked every EOS_CHECK tokens, the only host
+        syncs; n may then be less than max_new_tokens). The prompt goes through the cache with
+        the chunk kernels (prefill); each further token is one step of the whole model through the
+        cache (init_cache: static buffers, no reallocation), sampled on the device. On CUDA the
+        step is captured once in a CUDA graph and replayed per token (graph=False: eager steps).
+        Under autocast the buffers take the autocast dtype."""
+        B, T0 = idx.shape
+        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 1 or None; "
+                             f"got {max_new_tokens}, {temperature}, {top_k}")
+        if max_new_tokens == 0:
+            return idx
+        dev = idx.device
+        autocast = torch.is_autocast_enabled(dev.type)
+        dtype = torch.get_autocast_dtype(dev.type) if autocast else self.wte.weight.dtype
+        cache = self.init_cache(B, T0 + max_new_tokens, dev, dtype)
+        seq = idx.new_empty(B, T0 + max_new_tokens)
+        seq[:, :T0] = idx
+        done = torch.zeros(B, dtype=torch.bool, device=dev) if eos_id is not None else None
+        seq[:, T0] = sample_next(self.prefill(idx, cache), temperature, top_k, eos_id, done)
+
+        def step():  # the last drawn token (at cache.pos) in, the next one drawn and stored after it
+            tok = seq.index_select(1, cache.pos.view(1))
+            logits, _ = self(tok, cache=cache, last_only=True)
+            seq.index_copy_(1, cache.pos.view(1), sample_next(logits[:, -1], temperature, top_k, eos_id, done)[:, None])
+
+        if autocast:  # a captured graph must not keep autocast's cached weight casts
+            def step(step=step):
+                with torch.autocast(dev.type, dtype=dtype, cache_enabled=False):
+                    step()
+        n = 1
+        if (dev.type == "cuda" if graph is None else graph) and max_new_tokens > 1 + GRAPH_WARMUP:
+            step = cuda_graph(step, GRAPH_WARMUP)
+            n += GRAPH_WARMUP
+        while n < max_new_tokens and not (eos_id is not None and n % EOS_CHECK == 0 and bool(done.all())):
+            step()
+            n += 1
+        return seq[:, :T0 + n]
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         # decay matrices only: norms, biases, A_log and dt_bias (all 1-D) stay undecayed
@@ -599,3 +809,132 @@ class Model(nn.Module):
         T = self.config.block_size
         flops = self.flops_per_token(T) * T * fwdbwd_per_iter
         return flops / dt / peak_flops
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. decoding
+
+STEP_TOKENS = 64        # with a cache, up to this many tokens take the token-by-token kernels
+PREFILL_TOKENS = 2**18  # tokens per prefill piece (all rows) for models with recurrent layers
+GRAPH_WARMUP = 2        # eager decoding steps before the CUDA graph is captured
+EOS_CHECK = 32          # generate() looks whether every row has ended every this many tokens
+
+
+class Cache:
+    """Static decoding buffers for Model.forward(idx, cache=...), from Model.init_cache.
+
+    layers[i] holds layer i's buffers (its mixer's cache_buffers): GDN/PRISM the state S and the
+    short convs' last inputs, attention k, v [B, max_len, H, D]. `pos` (0-d int64 tensor) counts
+    the tokens fed so far: the next one's index. With reset_at_eos (eos_id set) `begin` [B] is
+    each row's current segment start. `length` is pos on the host, read only to size a prefill's
+    attention. Every buffer keeps its shape and address and a one-token step reads no host value,
+    so the step can be captured in a CUDA graph (Model.generate does). Per forward, begin_step sets
+    `reset` [B,T] (the tokens that start a segment) and `begins` [B,T] (each token's segment
+    start) for the layers; end_step advances."""
+
+    def __init__(self, layers, batch_size, max_len, device, rope=None, eos_id=None):
+        self.layers, self.batch_size, self.max_len = layers, batch_size, max_len
+        self.rope, self.eos_id = rope, eos_id
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.begin = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.length = 0
+        self.reset = self.begins = None
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+
+    def begin_step(self, idx):
+        B, T = idx.shape
+        if B != self.batch_size:
+            raise ValueError(f"cache is for {self.batch_size} rows, got {B}")
+        if self.rope is not None and self.length + T > self.max_len:
+            raise ValueError(f"cache holds {self.max_len} tokens: {self.length} fed, {T} more do not fit")
+        if self.eos_id is not None:  # an EOS starts a segment: the window begins at it
+            self.reset = idx == self.eos_id
+            t = self.pos + torch.arange(T, device=idx.device)
+            self.begins = torch.where(self.reset, t, self.begin[:, None]).cummax(1).values
+
+    def end_step(self, T):
+        self.pos += T
+        self.length += T
+        if self.begins is not None:
+            self.begin.copy_(self.begins[:, -1])
+        self.reset = self.begins = None
+
+
+def compute_dtype(x):
+    """The dtype x's matmuls run in: autocast's when it is on, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def memoised(owner, name, params, build):
+    """build() (tensors derived from `params`), kept on `owner` under `name` and built again
+    once any of params changes: an optimizer step or load_state_dict bumps its version, a move
+    or cast gives it new storage."""
+    key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+    memo = owner.__dict__.setdefault("_decode_memo", {})
+    if name not in memo or memo[name][0] != key:
+        with torch.no_grad():
+            memo[name] = (key, build())
+    return memo[name][1]
+
+
+def stacked_weights(owner, name, layers, dtype):
+    """(weight, bias) of Linear `layers` that read the same input, stacked along the output in
+    `dtype`: a decoding step does one GEMM instead of len(layers) (memoised)."""
+    params = [p for m in layers for p in m.parameters()]
+
+    def build():
+        w = torch.cat([m.weight for m in layers]).to(dtype)
+        if all(m.bias is None for m in layers):
+            return w, None
+        b = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers]
+        return w, torch.cat(b).to(dtype)
+    return memoised(owner, (name, dtype), params, build)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, eos_id=None, done=None):
+    """The next token per row from logits [B, vocab], on the device with no host sync: greedy
+    for temperature 0 or top_k 1, else softmax(logits / temperature) over the top_k. With
+    eos_id, rows marked in `done` [B] bool repeat it, and rows that draw it are marked."""
+    logits = logits.float()
+    if temperature == 0 or top_k == 1:
+        nxt = logits.argmax(-1)
+    else:
+        logits = logits / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        probs = F.softmax(logits, -1)
+        # argmax of p / Exp(1) noise is a draw from p (torch.multinomial would sync the host)
+        nxt = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    if eos_id is not None:
+        nxt = torch.where(done, eos_id, nxt)
+        done |= nxt == eos_id
+    return nxt
+
+
+def cuda_graph(fn, warmup=GRAPH_WARMUP):
+    """fn captured in a CUDA graph; returns the graph's replay. fn first runs `warmup` times,
+    for real, on a side stream (kernels compile and the allocator and cuBLAS settle before the
+    capture, as the CUDA graphs notes ask). Capturing runs nothing."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
