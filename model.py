@@ -269,6 +269,11 @@ def _conv_step(x, buf, weight, reset):
     return conv_step(x, buf, weight, reset)
 
 
+def _add_rms_norm(x, y, norm):
+    from prism_kernel import add_rms_norm
+    return add_rms_norm(x, y, norm.weight, norm.eps)
+
+
 def default_backend(device):
     if device.type == "cuda":
         try:
@@ -474,18 +479,17 @@ class PRISM(GatedDeltaNet):
         if self.L == 1:
             return None
         cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
-        nk, ng, R = self.n_keys, self.n_gains, (1 + self.n_keys + self.n_gains) * cfg.solver_rank
+        nk, ng, S = self.n_keys, self.n_gains, H * (self.L - 1)
         a = _conv_step(x, buf["anchor"], self.anchor_conv.weight, reset) if cfg.solver_anchor else F.silu(x)
         dt = compute_dtype(x)
-        za = F.linear(a, stacked_weights(self, "solver_in", (self.solver_down, self.step_proj), dt)[0])
-        ups = (self.u_up, *self.key_up, *self.gain_up)
+        za = F.linear(a, stacked_weights(self, "solver_in", (self.step_proj, self.solver_down), dt)[0])
+        ups = (self.u_up, *self.key_up, *self.gain_up)  # za = [steps | z]: zero columns skip the steps
         w_up = memoised(self, ("solver_up", dt), [m.weight for m in ups],
-                        lambda: torch.block_diag(*(m.weight for m in ups)).to(dt))
-        zu = F.linear(za[..., :R], w_up)
-        u, keys, gains = zu.split([H * V, nk * H * K, ng * H * V], -1)
+                        lambda: F.pad(torch.block_diag(*(m.weight for m in ups)), (S, 0)).to(dt))
+        u, keys, gains = F.linear(za, w_up).split([H * V, nk * H * K, ng * H * V], -1)
         return dict(u=u.view(B, T, H, V), keys=keys.view(B, T, nk, H, K) if nk else None,
                     gains=gains.view(B, T, ng, H, V) if ng else None,
-                    steps=za[..., R:].view(B, T, H, self.L - 1), keys_mode=cfg.solver_keys,
+                    steps=za[..., :S].view(B, T, H, self.L - 1), keys_mode=cfg.solver_keys,
                     mode=cfg.solver_mode, nonlinear=cfg.solver_nonlinear)
 
 
@@ -610,8 +614,14 @@ class Block(nn.Module):
 
     def forward(self, x, cache=None, backend="chunk", chunk_size=64):
         x = x + self.drop(self.mixer(self.norm1(x), cache, backend, chunk_size))
-        step = cache is not None and backend == "triton" and x.shape[1] <= STEP_TOKENS
-        return x + self.drop(self.mlp(self.norm2(x), step))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+    def step(self, x, h, cache, next_norm):
+        """The block on the Triton decoding path (no dropout), given h = norm1(x): each residual
+        add is one kernel with the norm after it, this block's norm2, then `next_norm` (the next
+        block's norm1 or the final norm). Returns (x, next_norm(x))."""
+        x, h = _add_rms_norm(x, self.mixer(h, cache, "triton"), self.norm2)
+        return _add_rms_norm(x, self.mlp(h, step=True), next_norm)
 
 
 class Model(nn.Module):
@@ -686,13 +696,17 @@ class Model(nn.Module):
         backend, chunk_size = self.backend, self.chunk_size
         if cache is not None:
             cache.begin_step(idx)
-        for block in self.blocks:
-            x = block(x, cache, backend, chunk_size)
+        if cache is not None and backend == "triton" and idx.shape[1] <= STEP_TOKENS:  # decoding
+            h = self.blocks[0].norm1(x)
+            for block, nxt in zip(self.blocks, [b.norm1 for b in self.blocks[1:]] + [self.norm_f]):
+                x, h = block.step(x, h, cache, nxt)
+        else:
+            for block in self.blocks:
+                x = block(x, cache, backend, chunk_size)
+            h = self.norm_f(x)
         if cache is not None:
             cache.end_step(idx.shape[1])
-        if last_only:
-            x = x[:, -1:]
-        logits = self.lm_head(self.norm_f(x))
+        logits = self.lm_head(h[:, -1:] if last_only else h)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
@@ -756,16 +770,7 @@ class Model(nn.Module):
         seq[:, :T0] = idx
         done = torch.zeros(B, dtype=torch.bool, device=dev) if eos_id is not None else None
         seq[:, T0] = sample_next(self.prefill(idx, cache), temperature, top_k, eos_id, done)
-
-        def step():  # the last drawn token (at cache.pos) in, the next one drawn and stored after it
-            tok = seq.index_select(1, cache.pos.view(1))
-            logits, _ = self(tok, cache=cache, last_only=True)
-            seq.index_copy_(1, cache.pos.view(1), sample_next(logits[:, -1], temperature, top_k, eos_id, done)[:, None])
-
-        if autocast:  # a captured graph must not keep autocast's cached weight casts
-            def step(step=step):
-                with torch.autocast(dev.type, dtype=dtype, cache_enabled=False):
-                    step()
+        step = self.decode_step(seq, cache, temperature, top_k, eos_id, done)
         n = 1
         if (dev.type == "cuda" if graph is None else graph) and max_new_tokens > 1 + GRAPH_WARMUP:
             step = cuda_graph(step, GRAPH_WARMUP)
@@ -774,6 +779,24 @@ class Model(nn.Module):
             step()
             n += 1
         return seq[:, :T0 + n]
+
+    def decode_step(self, seq, cache, temperature=1.0, top_k=None, eos_id=None, done=None):
+        """One decoding step as a function of no arguments, all on the device: it feeds
+        seq[:, cache.pos] (the last drawn token) through the cache and draws the next token into
+        seq[:, cache.pos + 1] (sample_next). This is what generate captures in a CUDA graph."""
+        def step():
+            tok = seq.index_select(1, cache.pos.view(1))
+            logits, _ = self(tok, cache=cache, last_only=True)
+            nxt = sample_next(logits[:, -1], temperature, top_k, eos_id, done)
+            seq.index_copy_(1, cache.pos.view(1), nxt[:, None])
+        dev = seq.device.type
+        if not torch.is_autocast_enabled(dev):
+            return step
+
+        def autocast_step():  # a captured graph must not hold autocast's cached weight casts
+            with torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False):
+                step()
+        return autocast_step
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         # decay matrices only: norms, biases, A_log and dt_bias (all 1-D) stay undecayed
@@ -907,11 +930,10 @@ def sample_next(logits, temperature=1.0, top_k=None, eos_id=None, done=None):
     """The next token per row from logits [B, vocab], on the device with no host sync: greedy
     for temperature 0 or top_k 1, else softmax(logits / temperature) over the top_k. With
     eos_id, rows marked in `done` [B] bool repeat it, and rows that draw it are marked."""
-    logits = logits.float()
     if temperature == 0 or top_k == 1:
         nxt = logits.argmax(-1)
     else:
-        logits = logits / temperature
+        logits = logits.float() / temperature
         if top_k is not None and top_k < logits.shape[-1]:
             kth = torch.topk(logits, top_k).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)

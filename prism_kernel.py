@@ -780,6 +780,7 @@ def causal_conv(x, weight, silu=True):
 #                          model's step also the l2-norm of q and k, the gates and PRISM's solver
 #                          write, so a layer's recurrence is one launch
 #   gated_rms_norm         RMSNorm(o) * silu(gate), per head
+#   add_rms_norm           a residual add and the RMSNorm after it
 #   silu_mul               silu(a) * b, SwiGLU's product
 #   rope_kv_write, decode_attention   one token of attention against a static KV cache
 # Plain pointer arithmetic (no block pointers); offsets that can pass 2^31 are int64. Positions
@@ -1091,6 +1092,34 @@ def gated_rms_norm(o, gate, weight, eps):
     y = _empty(B, T, H * V, dtype=o.dtype, device=o.device)
     _gated_norm[(B * T * H,)](o, gate, weight, y, float(eps), H, s_g, V=V, BV=triton.next_power_of_2(V))
     return y
+
+
+@triton.jit
+def _add_norm(x, y, s, h, w, eps, D: tl.constexpr, BD: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    m = o_d < D
+    b_s = tl.load(x + i * D + o_d, mask=m, other=0.).to(tl.float32) + tl.load(y + i * D + o_d, mask=m, other=0.).to(tl.float32)
+    b_s = b_s.to(s.dtype.element_ty)  # the norm sees the sum as stored, as x + y then a norm would
+    tl.store(s + i * D + o_d, b_s, mask=m)
+    b_s = b_s.to(tl.float32)
+    rstd = 1. / tl.sqrt(tl.sum(b_s * b_s, axis=0) / D + eps)
+    b_w = tl.load(w + o_d, mask=m, other=0.).to(tl.float32)
+    tl.store(h + i * D + o_d, (b_s * rstd * b_w).to(h.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(x, y, weight, eps):
+    """A residual add and the RMSNorm after it in one pass: returns (x + y, RMSNorm(x + y))
+    for x, y [..., D], both in x's dtype (weight [D])."""
+    if y.shape != x.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(f"add_rms_norm: need x, y [..., D] of one shape and weight [D]; got "
+                         f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(weight.shape)}")
+    _launchable(x, "add_rms_norm")
+    x, y = x.contiguous(), y.contiguous()
+    D = x.shape[-1]
+    s, h = torch.empty_like(x), torch.empty_like(x)
+    _add_norm[(x.numel() // D,)](x, y, s, h, weight, float(eps), D=D, BD=triton.next_power_of_2(D))
+    return s, h
 
 
 @triton.jit

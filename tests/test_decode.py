@@ -323,8 +323,8 @@ def test_conv_step_matches_pytorch(Tn):
     assert max_err(y_ref, direct) < 1e-5 and max_err(buf_ref, xp[:, -(W - 1):]) == 0
 
 
-def test_gated_norm_and_silu_mul():
-    from prism_kernel import gated_rms_norm, silu_mul
+def test_gated_norm_add_norm_and_silu_mul():
+    from prism_kernel import add_rms_norm, gated_rms_norm, silu_mul
     torch.manual_seed(0)
     o, w = torch.randn(2, 3, 4, 16, device=DEV), torch.randn(16, device=DEV)
     wide = torch.randn(2, 3, 4 * 16 + 5, device=DEV)
@@ -333,6 +333,9 @@ def test_gated_norm_and_silu_mul():
     assert max_err(gated_rms_norm(o, gate, w, 1e-6), ref.flatten(2)) < 1e-5
     x = torch.randn(2, 3, 2 * 40, device=DEV)
     assert max_err(silu_mul(x), F.silu(x[..., :40]) * x[..., 40:]) < 1e-6
+    y, w = torch.randn_like(x), torch.randn(80, device=DEV)
+    s, h = add_rms_norm(x, y, w, 1e-6)
+    assert max_err(s, x + y) < 1e-6 and max_err(h, F.rms_norm(x + y, (80,), w, 1e-6)) < 1e-5
 
 
 @pytest.mark.parametrize("splits", [1, 3])
