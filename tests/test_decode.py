@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as model_py  # noqa: E402
 from model import (Cache, GatedDeltaNet, Model, ModelConfig, PRISM, ShortConv, cuda_graph,  # noqa: E402
-                   delta_rule_naive)
+                   delta_rule_naive, segments_of)
 
 TOL = 1e-4
 CUDA = torch.cuda.is_available()
@@ -398,9 +398,10 @@ def layer_steps(layer, x, batch, dtype, reset=None, backend=None):
     cache = Cache([layer.cache_buffers(batch, x.shape[1], dev, dtype)], batch, x.shape[1], dev)
     for t in cache.layers[0].values():
         t.normal_()
-    cache.reset = reset
+    cache.reset = reset  # what Model.forward's begin_step sets, and its segments
+    seg = None if reset is None else segments_of(torch.where(reset, EOS, EOS + 1), EOS)
     with torch.no_grad():
-        y = layer.step(x, cache) if backend is None else layer(x, cache, backend=backend)
+        y = layer.step(x, cache) if backend is None else layer(x, cache, backend=backend, seg=seg)
     return y, cache.layers[0]
 
 
