@@ -278,16 +278,6 @@ def delta_rule_segments(seg, q, k, v, g, beta, ke=None, ve=None, initial_state=N
     return o.view(B, T, *o.shape[2:]), (ht[seg.last] if output_final_state else None)
 
 
-def cached_delta_rule(q, k, v, g, beta, ke, ve, state, seg=None, backend="chunk", chunk_size=64):
-    """delta_rule (delta_rule_segments under reset_at_eos) continued from a cache's state
-    [B,H,K,V], which it updates in place. Returns o."""
-    rule = delta_rule if seg is None else functools.partial(delta_rule_segments, seg)
-    o, h = rule(q, k, v, g, beta, ke, ve, initial_state=state, output_final_state=True,
-                backend=backend, chunk_size=chunk_size)
-    state.copy_(h)
-    return o
-
-
 @functools.cache
 def _no_compile(fn):
     # torch.compile leaves the Triton kernels alone and fuses around them. Wrapped on first use:
@@ -486,11 +476,11 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
         ke, ve = self.solver_write(x, k, v, buf.get("anchor"), reset, fused, seg)
-        if cache is None:
-            rule = delta_rule if seg is None else functools.partial(delta_rule_segments, seg)
-            o, _ = rule(q, k, v, g, beta, ke, ve, backend=backend, chunk_size=chunk_size)
-        else:
-            o = cached_delta_rule(q, k, v, g, beta, ke, ve, buf["state"], seg, backend, chunk_size)
+        rule = delta_rule if seg is None else functools.partial(delta_rule_segments, seg)
+        o, state = rule(q, k, v, g, beta, ke, ve, initial_state=buf.get("state"),
+                        output_final_state=cache is not None, backend=backend, chunk_size=chunk_size)
+        if cache is not None:  # the cache's buffer keeps its address
+            buf["state"].copy_(state)
         o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
         return self.o_proj(o.reshape(B, T, H * V))
 
@@ -824,9 +814,10 @@ class Model(nn.Module):
 
     def forward(self, idx, targets=None, cache=None, return_logits=False, last_only=False):
         """Returns (logits, loss). Without `targets`: the logits [B,T,V] of every position
-        (last_only: of the last one, [B,1,V]; a prefill needs no more) and loss None. With `targets` [B,T]: the mean cross-entropy over the targets that are not -1,
-        and logits None unless return_logits=True (the fused loss never builds them; asking for
-        them takes the plain path). With `cache` (from init_cache) the call continues the
+        (last_only: of the last one, [B,1,V]; a prefill needs no more) and loss None. With
+        `targets` [B,T]: the mean cross-entropy over the targets that are not -1, and logits
+        None unless return_logits=True (the fused loss never builds them; asking for them takes
+        the plain path). With `cache` (from init_cache) the call continues the
         sequence held in the cache: recurrent state and conv buffers, or the KV cache.
         With config.reset_at_eos every EOS in idx starts a new document (see Segments): a row
         whose first token is EOS starts afresh, any other continues the cache."""
@@ -879,6 +870,8 @@ class Model(nn.Module):
         with max_len; per attention layer a static KV cache [batch_size, max_len, H, D]. Buffers
         other than the state are in `dtype` (default: the parameters'), on `device` (default:
         the parameters')."""
+        if not (batch_size >= 1 and max_len >= 1):
+            raise ValueError(f"init_cache: batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
         cfg, p = self.config, self.wte.weight
         device = p.device if device is None else torch.device(device)
         dtype = p.dtype if dtype is None else dtype
@@ -916,6 +909,8 @@ class Model(nn.Module):
         cache (init_cache: static buffers, no reallocation), sampled on the device. On CUDA the
         step is captured once in a CUDA graph and replayed per token (graph=False: eager steps).
         Under autocast the buffers take the autocast dtype."""
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"generate: idx must be [B,T] token ids with T >= 1, got {tuple(idx.shape)}")
         B, T0 = idx.shape
         if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
             raise ValueError(f"generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 1 or None; "
