@@ -8,7 +8,8 @@ per token (PRISM_SPEC.md §3), forward and backward, chunk-parallel with chunks 
 Entry points:
     chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
                 output_final_state=False) -> (o, final_state)        # autograd-aware
-    recurrent_prism_step(q, k, v, g, beta, ke, ve, scale, state) -> (o, new_state)   # decoding
+    recurrent_prism_step(q, k, v, g, beta, ke, ve, scale, state, reset) -> (o, state)  # decoding,
+                                                          # with the other decoding kernels at the end
     causal_conv(x, weight, silu=True) -> y                # the layers' short conv, autograd-aware
 
 Per chunk (local positions t, i; G = in-chunk cumulative log-decay; Gam[t,i] = exp(G_t - G_i)):
@@ -812,8 +813,8 @@ def _flags(reset, B, T, device):
         return torch.empty(1, dtype=torch.uint8, device=device), False
     if reset.shape != (B, T):
         raise ValueError(f"reset must be [B,T] = {(B, T)}, got {tuple(reset.shape)}")
-    return reset.contiguous().view(torch.uint8) if reset.dtype == torch.bool else \
-        (reset != 0).contiguous().view(torch.uint8), True
+    flags = reset if reset.dtype == torch.bool else reset != 0
+    return flags.contiguous().view(torch.uint8), True
 
 
 @triton.jit(do_not_specialize=["T"])
