@@ -16,6 +16,7 @@ state without erasing, next to GDN's own delta-rule write:
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T + sum_l ke_t^(l) ve_t^(l)^T
 """
 import functools
+import importlib
 import math
 from dataclasses import dataclass, field, fields
 
@@ -285,16 +286,23 @@ def _no_compile(fn):
     return torch.compiler.disable(fn)
 
 
+def kernels():
+    """prism_kernel (Triton), imported on first use. It is the file beside this one: a top-level
+    module in this repo, a sibling submodule in a directory written by export_hf.py. Imported through
+    importlib, not an import statement: transformers' remote-code loader requires every module that
+    an import statement names to be installed, and this one needs Triton, which CPU users may lack."""
+    return importlib.import_module(f"{__package__}.prism_kernel" if __package__ else "prism_kernel")
+
+
 def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state, cu_seqlens=None):
-    from prism_kernel import chunk_prism
     varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    return chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                       output_final_state=output_final_state, **varlen)
+    return kernels().chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
+                                 output_final_state=output_final_state, **varlen)
 
 
 def _triton_conv(x, weight, cu_seqlens=None):
-    from prism_kernel import causal_conv
-    return causal_conv(x, weight) if cu_seqlens is None else causal_conv(x, weight, cu_seqlens=cu_seqlens)
+    conv = kernels().causal_conv
+    return conv(x, weight) if cu_seqlens is None else conv(x, weight, cu_seqlens=cu_seqlens)
 
 
 def _conv_step(x, buf, weight, reset):
@@ -310,7 +318,7 @@ def _add_rms_norm(x, y, norm):
 def default_backend(device):
     if device.type == "cuda":
         try:
-            import prism_kernel  # noqa: F401
+            kernels()
             return "triton"
         except Exception:
             pass
