@@ -306,13 +306,11 @@ def _triton_conv(x, weight, cu_seqlens=None):
 
 
 def _conv_step(x, buf, weight, reset):
-    from prism_kernel import conv_step
-    return conv_step(x, buf, weight, reset)
+    return kernels().conv_step(x, buf, weight, reset)
 
 
 def _add_rms_norm(x, y, norm):
-    from prism_kernel import add_rms_norm
-    return add_rms_norm(x, y, norm.weight, norm.eps)
+    return kernels().add_rms_norm(x, y, norm.weight, norm.eps)
 
 
 def default_backend(device):
@@ -496,7 +494,7 @@ class GatedDeltaNet(nn.Module):
         """The cached forward of a few tokens on the Triton path (decoding): one GEMM for every
         input projection, then a kernel each for the short conv, the recurrence (with the q/k
         norm, the gates and PRISM's solver write inside) and the output norm and gate."""
-        from prism_kernel import gated_rms_norm, recurrent_prism_step
+        pk = kernels()
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
         buf, C = cache.layers[self.layer_idx], 2 * H * K + H * V
@@ -504,11 +502,11 @@ class GatedDeltaNet(nn.Module):
         z = F.linear(x, *stacked_weights(self, "in", parts, compute_dtype(x)))
         qkv = _conv_step(z[..., :C], buf["conv"], self.conv.weight, cache.reset)
         q, k, v = qkv.split([H * K, H * K, H * V], -1)
-        o, _ = recurrent_prism_step(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V),
-                                    z[..., C:C + H], z[..., C + H:C + 2 * H], state=buf["state"],
-                                    reset=cache.reset, gates=(self.A_log, self.dt_bias),
-                                    solver=self.solver_step(x, buf, cache.reset), l2norm_qk=True)
-        return self.o_proj(gated_rms_norm(o, z[..., C + 2 * H:], self.o_norm.weight, self.o_norm.eps))
+        o, _ = pk.recurrent_prism_step(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V),
+                                       z[..., C:C + H], z[..., C + H:C + 2 * H], state=buf["state"],
+                                       reset=cache.reset, gates=(self.A_log, self.dt_bias),
+                                       solver=self.solver_step(x, buf, cache.reset), l2norm_qk=True)
+        return self.o_proj(pk.gated_rms_norm(o, z[..., C + 2 * H:], self.o_norm.weight, self.o_norm.eps))
 
 
 class PRISM(GatedDeltaNet):
@@ -659,10 +657,9 @@ class Attention(nn.Module):
         buf, theta = cache.layers[self.layer_idx], self.cfg.rope_theta
         kc, vc = buf["k"], buf["v"]
         if fused and T == 1:
-            from prism_kernel import decode_attention, rope_kv_write
             begin = cache.begins[:, 0] if cache.begins is not None else cache.begin
-            q = rope_kv_write(qkv, *cache.rope, cache.pos, begin, kc, vc)
-            return decode_attention(q, kc, vc, begin, cache.pos)
+            q = kernels().rope_kv_write(qkv, *cache.rope, cache.pos, begin, kc, vc)
+            return kernels().decode_attention(q, kc, vc, begin, cache.pos)
         q, k, v = qkv.view(B, T, 3, self.H, self.hd).unbind(2)
         t = cache.pos + torch.arange(T, device=qkv.device)              # the tokens' cache indices
         rp = t if cache.begins is None else t - cache.begins
@@ -706,9 +703,8 @@ class MLP(nn.Module):
 
     def forward(self, x, step=False):
         if step:  # decoding on the Triton path: one GEMM for gate and up, one kernel for the product
-            from prism_kernel import silu_mul
             gate_up = stacked_weights(self, "gate_up", (self.w_gate, self.w_up), compute_dtype(x))
-            return self.w_down(silu_mul(F.linear(x, *gate_up)))
+            return self.w_down(kernels().silu_mul(F.linear(x, *gate_up)))
         if self.recompute and torch.is_grad_enabled():  # keep x, not the [B,T,hidden] pair
             return checkpoint(self._forward, x, use_reentrant=False)
         return self._forward(x)
