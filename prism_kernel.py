@@ -8,8 +8,7 @@ per token (PRISM_SPEC.md §3), forward and backward, chunk-parallel with chunks 
 Entry points:
     chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
                 output_final_state=False) -> (o, final_state)        # autograd-aware
-    recurrent_prism_step(q, k, v, g, beta, ke, ve, scale, state, reset) -> (o, state)  # decoding,
-                                                          # with the other decoding kernels at the end
+    recurrent_prism_step(q, k, v, g, beta, ke, ve, scale, state) -> (o, new_state)   # decoding
     causal_conv(x, weight, silu=True) -> y                # the layers' short conv, autograd-aware
 
 Per chunk (local positions t, i; G = in-chunk cumulative log-decay; Gam[t,i] = exp(G_t - G_i)):
