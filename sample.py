@@ -75,7 +75,7 @@ def main(argv=None):
         for _ in range(args.num_samples):
             with torch.no_grad():
                 y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
-                                   top_k=args.top_k or None)
+                                   top_k=args.top_k or None, eos_id=tok.eos_id)
             out = y[0, 1:].tolist()  # drop the document-start token
             if tok.eos_id in out[len(ids) - 1:]:  # stop at the end of the document
                 out = out[:out.index(tok.eos_id, len(ids) - 1)]
