@@ -172,7 +172,7 @@ def rotate(out_dir, keep, log=_stderr):
     """Delete all but the newest `keep` checkpoints, never the newest verified one or anything
     newer. Checkpoints newer than it that fail verification are moved aside (not counted); newer
     ones without a digest are kept and counted. The file just written is read back to verify it."""
-    listed, good = [], None  # good: index in `listed` of the newest verified checkpoint
+    listed, good, moved = [], None, False  # good: index in `listed` of the newest verified one
     for p in list_checkpoints(out_dir):
         if good is None:
             try:
@@ -180,10 +180,13 @@ def rotate(out_dir, keep, log=_stderr):
                     good = len(listed)
             except CheckpointError as e:
                 log(f"warning: {e}; moved it to {move_aside(p)}")
+                moved = True
                 continue
         listed.append(p)
     if good is None:
         return  # nothing verified: delete nothing
+    if moved:
+        _link_latest(out_dir, listed[0])  # ckpt.pt may have pointed at a moved file
     for p in listed[max(keep, 1, good + 1):]:
         for f in (p, digest_path(p)):
             if os.path.exists(f):
