@@ -401,8 +401,12 @@ def load_sharded(path, model, optimizer):
 def load_full_into_sharded(model, optimizer, ckpt):
     """A single-file checkpoint (save_checkpoint's) into a model sharded with fully_shard: each
     rank keeps its shards of the full tensors. The optimizer state, keyed by parameter index in
-    the file, is re-keyed by parameter name, which is how DCP's state-dict functions address it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    the file, is re-keyed by parameter name, which is how DCP's state-dict functions address it.
+    optimizer=None: the weights alone."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+    if optimizer is None:
+        set_model_state_dict(model, ckpt["model"], options=StateDictOptions(full_state_dict=True))
+        return
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     osd = ckpt["optimizer"]

@@ -117,6 +117,18 @@ def test_fsdp_resumes_from_a_single_file_checkpoint(runs):
         "ckpt_0000006", "ckpt_0000003.pt"]
 
 
+def test_fsdp_fine_tunes_from_given_weights(runs):
+    tmp, common = runs
+    out = tmp / "finetune"
+    src = tmp / "one" / "ckpt_0000003.pt"
+    assert train_main(common + [f"--out_dir={out}", "--fsdp=True", f"--init_from={src}", "--max_iters=1"]) == 0
+    _, recs = read_log(out)
+    _, one_recs = read_log(tmp / "one")
+    first = next(r["val_loss"] for r in recs if "val_loss" in r)  # iter 0: the given weights, sharded
+    assert first == pytest.approx(next(r["val_loss"] for r in one_recs if r.get("iter") == 3 and "val_loss" in r),
+                                  abs=TOL)
+
+
 def test_consolidated_checkpoint_loads_and_resumes_without_fsdp(runs, capsys):
     tmp, common = runs
     src = tmp / "two" / "ckpt_0000003"
