@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (CheckpointError, atomic_write, list_checkpoints, load_latest_checkpoint,
+from checkpoint import (CheckpointError, atomic_write, list_checkpoints, load_latest_checkpoint, load_model,
                         rng_state, save_checkpoint, set_rng_state)
 from model import Model, ModelConfig
 from settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
@@ -278,6 +278,30 @@ def build_model(cfg, env, model_args):
     return raw_model, optimizer
 
 
+# architecture keys come from the weights; these may change when fine-tuning them
+FINETUNE_FREE_KEYS = ("dropout", "block_size")
+
+
+def init_weights_from(cfg, env, model_args):
+    """--init_from=<checkpoint file or export_hf.py directory>: start a fresh run (new optimizer,
+    iteration 0) from those weights. Their architecture replaces the config's (updates
+    model_args in place); returns the state dict, or None for scratch/resume."""
+    src = cfg["init_from"]
+    if src in ("scratch", "resume"):
+        return None
+    try:
+        model, meta = load_model(src, "cpu", warn=env.log)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e))
+    theirs = {**MODEL_DEFAULTS, **ModelConfig.from_dict(meta["model_args"]).__dict__}
+    changed = [f"{k}={theirs[k]!r} (config had {model_args[k]!r})" for k in model_args
+               if k not in FINETUNE_FREE_KEYS and _norm(theirs[k]) != _norm(model_args[k])]
+    model_args.update({k: theirs[k] for k in model_args if k not in FINETUNE_FREE_KEYS})
+    env.log(f"initialising from {src}" + (f"; its architecture replaces the config's: {', '.join(changed)}"
+                                           if changed else ""))
+    return model.state_dict()
+
+
 def wrap_model(raw_model, cfg, env):
     """The module the step runs: compiled and/or DDP-wrapped. raw_model keeps the weights that are
     evaluated and saved."""
@@ -295,7 +319,7 @@ def start_or_resume(cfg, env, data, raw_model, optimizer, model_args):
     random.seed(cfg["seed"] + env.rank)
     np.random.seed(cfg["seed"] + env.rank)
     torch.manual_seed(cfg["seed"] + env.rank)  # per-rank streams (dropout)
-    if cfg["init_from"] == "scratch":
+    if cfg["init_from"] != "resume":  # scratch, or fine-tuning given weights
         if list_checkpoints(out_dir):
             raise UserError(f"{out_dir} already holds checkpoints; use --init_from=resume "
                             f"or another --out_dir")
@@ -674,9 +698,13 @@ def check_cpu_speed(raw_model, cfg, env):
 def train(cfg):
     env = setup(cfg)
     model_args = model_args_of(cfg)
+    init = init_weights_from(cfg, env, model_args)
     data = load_data(cfg, env, model_args)
     model_args["eos_id"] = data_eos_id(data.meta, model_args)  # reset_at_eos cuts where the data does
     raw_model, optimizer = build_model(cfg, env, model_args)
+    if init is not None:
+        raw_model.load_state_dict(init)
+        init = None
     prog = start_or_resume(cfg, env, data, raw_model, optimizer, model_args)
     resumed_at = prog.iter_num if cfg["init_from"] == "resume" else None
     model = wrap_model(raw_model, cfg, env)
