@@ -626,3 +626,26 @@ def test_cuda_export_runs_the_triton_kernels(exports):
         p = ids[:1, :8]
         greedy_rows_match(hf.generate(p, max_new_tokens=16, do_sample=False),
                           ref.generate(p, 16, temperature=0), 8, TOK.eos_id, TOK.sp.unk_id())
+
+
+def test_train_py_fine_tunes_an_exported_directory(exports, tmp_path, capsys):
+    """train.py --init_from=<exported dir>: a model from the hub trains here, from its weights."""
+    import numpy as np
+    import train
+    ckpt, path, model = exports["prism"]
+    d = tmp_path / "data" / "toy"
+    d.mkdir(parents=True)
+    ids = np.random.default_rng(0).integers(0, 500, 4000).astype(np.uint16)
+    ids[:3000].tofile(d / "train.bin")
+    ids[3000:].tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 32000, "tokenizer": TOK.name,
+                                             "tokenizer_sha256": TOK.sha256, "eos_id": TOK.eos_id}))
+    argv = [f"--init_from={path}", f"--data_dir={tmp_path / 'data'}", "--dataset=toy",
+            f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--dtype=float32", "--max_iters=1",
+            "--eval_interval=1", "--eval_iters=1", "--batch_size=2", "--gradient_accumulation_steps=1",
+            f"--block_size={BLOCK}", "--n_layer=5"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"initialising from {path}" in out and "n_layer=2 (config had 5)" in out
+    saved = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    assert saved["model_args"]["n_layer"] == 2 and saved["iter_num"] == 1

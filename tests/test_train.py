@@ -618,3 +618,19 @@ def test_plot_writes_png(reference, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "plot.py"), str(tmp_path / "nope.jsonl")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "nope.jsonl" in r.stderr
+
+
+def test_init_from_weights_starts_a_fresh_run_from_them(reference, data, tmp_path, capsys):
+    """--init_from=<checkpoint file>: iteration 0, a new optimizer, the source's weights and its
+    architecture (a config that disagrees is overridden and told so)."""
+    ref_dir, ref = reference
+    src = ref_dir / "ckpt.pt"
+    out = tmp_path / "ft"
+    assert run(args(data, out, "--max_iters=2", "--eval_interval=2", f"--init_from={src}",
+                    "--solver_rank=4")) == 0
+    assert "its architecture replaces the config's: solver_rank=8" in capsys.readouterr().out
+    losses, recs = read_log(out)
+    assert sorted(losses) == [1, 2]
+    # the first step already sees trained weights: far below a fresh model's first loss
+    assert losses[1]["loss"] < 0.8 * ref[1], (losses[1]["loss"], ref[1])
+    assert run(args(data, tmp_path / "x", f"--init_from={tmp_path / 'missing.pt'}")) == 2
