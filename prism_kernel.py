@@ -80,27 +80,75 @@ def _decay_masks(b_gc, BT: tl.constexpr):
     return gam_s, gam_c
 
 
+@triton.jit
+def _tile(x, off, stride, n_rows, c0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    # pointers and mask of the [BR, BC] tile at rows 0..BR-1, columns c0.. of a row-major view
+    # that starts at x + off (off int64) with row stride `stride`; rows >= n_rows and columns
+    # >= n_cols are masked. In-tile offsets are < BR * stride, so int32 is enough there.
+    o_r = tl.arange(0, BR)
+    o_c = c0 + tl.arange(0, BC)
+    return x + off + o_r[:, None] * stride + o_c[None, :], (o_r < n_rows)[:, None] & (o_c < n_cols)[None, :]
+
+
+@triton.jit
+def _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # chunk program -> (its chunk within the sequence, the sequence's first token, its end), the
+    # token indices int64. Fixed length: B sequences of T back to back, chunk id = i_b * NT + i_t.
+    # Packed: chunk_indices[i_c] = (sequence, chunk); every sequence starts a new chunk.
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        NT = tl.cdiv(T, BT)
+        i_t = i_c % NT
+        bos = (i_c // NT).to(tl.int64) * T
+        eos = bos + T
+    return i_t, bos, eos
+
+
+@triton.jit
+def _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # sequence program -> (first token, end token, id of its first chunk), all int64
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return bos, eos, boc
+
+
 # ----------------------------------------------------------------------------------------------
 # forward
+#
+# Layouts: token tensors [B,T,H,D] (packed: B = 1), rows of one head have stride H*D; ke, ve
+# [B,T,H,NE,D], stride H*NE*D. Per-chunk buffers are indexed by chunk-head ch = i_c * H + i_h:
+# gc [NC,H,BT] float32, tinv [NC,H,BT,BT], h and dh [NC,H,K,V]. Every product that can pass
+# 2^31 (token * H * D, ch * K * V) is formed in int64.
 
-@triton.jit(do_not_specialize=["T"])
-def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, T,
-              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H"])
+def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, cu_seqlens, chunk_indices, T, H,
+              K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              F32: tl.constexpr, DT: tl.constexpr):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+              F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = eos - t0
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    t_idx = i_t * BT + o_t
-    m_t = t_idx < T
+    m_t = o_t < nt
     # in-chunk cumulative log-decay; padded tokens have g = 0, so G stays at its last value
-    b_g = tl.load(g + (i_b * T + t_idx) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_g = tl.load(g + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_gc = tl.cumsum(b_g, axis=0)
-    tl.store(gc + (i_bh * NT + i_t) * BT + o_t, b_gc)
-    b_beta = tl.load(beta + (i_b * T + t_idx) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
+    tl.store(gc + ch * BT + o_t, b_gc)
+    b_beta = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
     gam_s, _ = _decay_masks(b_gc, BT)
     b_A = _dot(b_k, tl.trans(b_k), F32, DT) * gam_s * b_beta[:, None]
     # Tm = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i,j] Tm[j,:]
@@ -110,182 +158,190 @@ def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, T,
         a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.), axis=0)
         row = -tl.sum(a_i[:, None] * b_T, axis=0) + tl.where(o_t == i, 1., 0.)
         b_T = tl.where(o_t[:, None] == i, row[None, :], b_T)
-    p_T = tl.make_block_ptr(tinv + (i_bh * NT + i_t) * BT * BT, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
+    p_T, _ = _tile(tinv, ch * BT * BT, BT, BT, 0, BT, BT, BT)
     tl.store(p_T, b_T.to(p_T.dtype.element_ty))
     # W = Tm diag(beta exp(G)) K
     b_w = _dot(b_T, b_k.to(tl.float32) * (b_beta * tl.exp(b_gc))[:, None], F32, DT)
-    p_w = tl.make_block_ptr(w + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
+    p_w, _ = _tile(w, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_k)
     # U' = Tm diag(beta) (V - sum_l E_l Ve_l)
     for i_v in range(tl.cdiv(V, BV)):
-        p_v = tl.make_block_ptr(v + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_acc = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32)
+        p_v, m_v = _tile(v, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        b_acc = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
         for l in tl.static_range(NE):
-            p_ke = tl.make_block_ptr(ke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                     (i_t * BT, 0), (BT, BK), (1, 0))
-            p_ve = tl.make_block_ptr(ve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                     (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-            b_ke = tl.load(p_ke, boundary_check=(0, 1))
-            b_ve = tl.load(p_ve, boundary_check=(0, 1))
+            p_ke, m_ke = _tile(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+            p_ve, m_ve = _tile(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
+            b_ke = tl.load(p_ke, mask=m_ke, other=0.)
+            b_ve = tl.load(p_ve, mask=m_ve, other=0.)
             b_E = _dot(b_k, tl.trans(b_ke), F32, DT) * gam_s
             b_acc -= _dot(b_E, b_ve, F32, DT)
         b_u = _dot(b_T, b_acc * b_beta[:, None], F32, DT)
-        p_u = tl.make_block_ptr(u + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+        p_u, _ = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _fwd_state(k, ke, ve, w, u, gc, h, h0, ht, T,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H"])
+def _fwd_state(k, ke, ve, w, u, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H,
+               K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               F32: tl.constexpr, DT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
-    # sequential over chunks: store the entering state, turn U' into U, advance the state
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+               F32: tl.constexpr, DT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+               IS_VARLEN: tl.constexpr):
+    # sequential over one sequence's chunks: store the entering state, turn U' into U, advance
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos, boc = _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
+    s_off = i_nh.to(tl.int64) * K * V
     if HAS_H0:
-        p_h0 = tl.make_block_ptr(h0 + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        b_h = tl.load(p_h0, boundary_check=(0, 1)).to(tl.float32)
+        p_h0, m_h = _tile(h0, s_off, V, K, i_v * BV, V, BK, BV)
+        b_h = tl.load(p_h0, mask=m_h, other=0.).to(tl.float32)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    for i_t in range(NT):
-        p_h = tl.make_block_ptr(h + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
-        p_w = tl.make_block_ptr(w + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_u = tl.make_block_ptr(u + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_w = tl.load(p_w, boundary_check=(0, 1))
-        b_k = tl.load(p_k, boundary_check=(0, 1))
-        b_u = tl.load(p_u, boundary_check=(0, 1)).to(tl.float32) - _dot(b_w, b_h, F32, DT)
-        tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
-        b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
-        b_gl = tl.load(gc + (i_bh * NT + i_t) * BT + BT - 1)
+    for i_t in range(tl.cdiv(eos - bos, BT)):
+        t0 = bos + i_t * BT
+        nt = eos - t0
+        ch = (boc + i_t) * H + i_h
+        p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
+        p_w, m_k = _tile(w, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+        p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+        p_u, m_v = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        b_w = tl.load(p_w, mask=m_k, other=0.)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_u = tl.load(p_u, mask=m_v, other=0.).to(tl.float32) - _dot(b_w, b_h, F32, DT)
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
+        b_gc = tl.load(gc + ch * BT + o_t)
+        b_gl = tl.load(gc + ch * BT + BT - 1)
         b_dec = tl.exp(b_gl - b_gc)
         b_hn = b_h * tl.exp(b_gl) + _dot(tl.trans(b_k.to(tl.float32) * b_dec[:, None]), b_u, F32, DT)
         for l in tl.static_range(NE):
-            p_ke = tl.make_block_ptr(ke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                     (i_t * BT, 0), (BT, BK), (1, 0))
-            p_ve = tl.make_block_ptr(ve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                     (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-            b_ke = tl.load(p_ke, boundary_check=(0, 1))
-            b_ve = tl.load(p_ve, boundary_check=(0, 1))
+            p_ke, _ = _tile(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+            p_ve, _ = _tile(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
+            b_ke = tl.load(p_ke, mask=m_k, other=0.)
+            b_ve = tl.load(p_ve, mask=m_v, other=0.)
             b_hn += _dot(tl.trans(b_ke.to(tl.float32) * b_dec[:, None]), b_ve, F32, DT)
         b_h = b_hn
     if STORE_HT:
-        p_ht = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_ht, b_h, boundary_check=(0, 1))
+        p_ht, m_h = _tile(ht, s_off, V, K, i_v * BV, V, BK, BV)
+        tl.store(p_ht, b_h, mask=m_h)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, T,
-             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H"])
+def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, cu_seqlens, chunk_indices, T, H,
+             K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             F32: tl.constexpr, DT: tl.constexpr):
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+             F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = eos - t0
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
+    b_gc = tl.load(gc + ch * BT + o_t)
     _, gam_c = _decay_masks(b_gc, BT)
-    p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_h = tl.make_block_ptr(h + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-    p_u = tl.make_block_ptr(u + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
-    b_h = tl.load(p_h, boundary_check=(0, 1))
-    b_u = tl.load(p_u, boundary_check=(0, 1))
+    p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
+    p_u, m_v = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    b_h = tl.load(p_h, mask=m_h, other=0.)
+    b_u = tl.load(p_u, mask=m_v, other=0.)
     b_o = _dot(b_q, b_h, F32, DT) * tl.exp(b_gc)[:, None]
     b_P = _dot(b_q, tl.trans(b_k), F32, DT) * gam_c
     b_o += _dot(b_P, b_u, F32, DT)
     for l in tl.static_range(NE):
-        p_ke = tl.make_block_ptr(ke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                 (i_t * BT, 0), (BT, BK), (1, 0))
-        p_ve = tl.make_block_ptr(ve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                 (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_ke = tl.load(p_ke, boundary_check=(0, 1))
-        b_ve = tl.load(p_ve, boundary_check=(0, 1))
+        p_ke, _ = _tile(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+        p_ve, _ = _tile(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
+        b_ke = tl.load(p_ke, mask=m_k, other=0.)
+        b_ve = tl.load(p_ve, mask=m_v, other=0.)
         b_Pl = _dot(b_q, tl.trans(b_ke), F32, DT) * gam_c
         b_o += _dot(b_Pl, b_ve, F32, DT)
-    p_o = tl.make_block_ptr(o + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), boundary_check=(0, 1))
+    p_o, _ = _tile(o, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+    tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), mask=m_v)
 
 
 # ----------------------------------------------------------------------------------------------
 # backward
 
-@triton.jit(do_not_specialize=["T"])
-def _bwd_dv_local(q, k, gc, do, du, scale, T,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H"])
+def _bwd_dv_local(q, k, gc, do, du, scale, cu_seqlens, chunk_indices, T, H,
+                  K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  F32: tl.constexpr, DT: tl.constexpr):
+                  F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # the output's direct pull on U: dU_local = scale (Gam * tril(Q K^T))^T dO
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = eos - t0
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
+    b_gc = tl.load(gc + ch * BT + o_t)
     _, gam_c = _decay_masks(b_gc, BT)
-    p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_do = tl.make_block_ptr(do + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
-    b_do = tl.load(p_do, boundary_check=(0, 1))
+    p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_do, m_v = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    b_do = tl.load(p_do, mask=m_v, other=0.)
     b_P = _dot(b_q, tl.trans(b_k), F32, DT) * gam_c * scale
     b_du = _dot(tl.trans(b_P), b_do, F32, DT)
-    p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    tl.store(p_du, b_du.to(p_du.dtype.element_ty), boundary_check=(0, 1))
+    p_du, _ = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+    tl.store(p_du, b_du.to(p_du.dtype.element_ty), mask=m_v)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, T,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H"])
+def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offsets, T, H,
+               K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               F32: tl.constexpr, DT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+               F32: tl.constexpr, DT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+               IS_VARLEN: tl.constexpr):
     # reverse over chunks. dS = grad of the state leaving chunk n. Per chunk:
     #   dU  = dU_local + diag(exp(G_C - G)) K dS                      (stored over dU_local)
     #   dS0 = exp(G_C) dS + scale (diag(exp G) Q)^T dO - W^T dU          (W^T dU = K^T diag(b e^G) Tm^T dU)
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos, boc = _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
+    s_off = i_nh.to(tl.int64) * K * V
     if HAS_DHT:
-        p_dht = tl.make_block_ptr(dht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        b_dh = tl.load(p_dht, boundary_check=(0, 1)).to(tl.float32)
+        p_dht, m_h = _tile(dht, s_off, V, K, i_v * BV, V, BK, BV)
+        b_dh = tl.load(p_dht, mask=m_h, other=0.).to(tl.float32)
     else:
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    for i_t in range(NT - 1, -1, -1):
-        p_dh = tl.make_block_ptr(dh + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
-        b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
-        b_gl = tl.load(gc + (i_bh * NT + i_t) * BT + BT - 1)
-        p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_w = tl.make_block_ptr(w + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_do = tl.make_block_ptr(do + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_q = tl.load(p_q, boundary_check=(0, 1))
-        b_k = tl.load(p_k, boundary_check=(0, 1))
-        b_w = tl.load(p_w, boundary_check=(0, 1))
-        b_do = tl.load(p_do, boundary_check=(0, 1))
-        b_du = tl.load(p_du, boundary_check=(0, 1)).to(tl.float32)
+    for i_t in range(tl.cdiv(eos - bos, BT) - 1, -1, -1):
+        t0 = bos + i_t * BT
+        nt = eos - t0
+        ch = (boc + i_t) * H + i_h
+        p_dh, m_h = _tile(dh, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), mask=m_h)
+        b_gc = tl.load(gc + ch * BT + o_t)
+        b_gl = tl.load(gc + ch * BT + BT - 1)
+        p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+        p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+        p_w, _ = _tile(w, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+        p_do, m_v = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_du, _ = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        b_q = tl.load(p_q, mask=m_k, other=0.)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_w = tl.load(p_w, mask=m_k, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_du = tl.load(p_du, mask=m_v, other=0.).to(tl.float32)
         b_du += _dot(b_k.to(tl.float32) * tl.exp(b_gl - b_gc)[:, None], b_dh, F32, DT)
-        tl.store(p_du, b_du.to(p_du.dtype.element_ty), boundary_check=(0, 1))
+        tl.store(p_du, b_du.to(p_du.dtype.element_ty), mask=m_v)
         b_qg = b_q.to(tl.float32) * (scale * tl.exp(b_gc))[:, None]
         b_dh = b_dh * tl.exp(b_gl) + _dot(tl.trans(b_qg), b_do, F32, DT) - _dot(tl.trans(b_w), b_du, F32, DT)
     if STORE_DH0:
-        p_dh0 = tl.make_block_ptr(dh0 + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_dh0, b_dh, boundary_check=(0, 1))
+        p_dh0, m_h = _tile(dh0, s_off, V, K, i_v * BV, V, BK, BV)
+        tl.store(p_dh0, b_dh, mask=m_h)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "H"])
 def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
-               dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, T,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+               dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu_seqlens, chunk_indices, T, H,
+               K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               F32: tl.constexpr, DT: tl.constexpr):
+               F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # Everything chunk-local, given S0 = h[n], dS = dh[n] (grad of the leaving state) and the
     # full dU. Notation: R = diag(b)(V - sum_l E_l Ve_l - diag(e^G) K S0), U = Tm R.
     #   dR = Tm^T dU;  dA = -strict(dR U^T);  dV = b dR;  dE_l = -diag(b) strict(dR Ve_l^T)
@@ -296,25 +352,26 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     # would cancel O(1) diagonal terms in float32 and drown the tiny true dg of fast decays.
     # Register budget: only dq, dk ([C, K] float32) and two C x C accumulators live across the
     # value loop; row sums such as k_i . (dS^T u_i) are taken as sum_v u_iv (K dS)_iv instead.
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = eos - t0
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    t_idx = i_t * BT + o_t
-    m_t = t_idx < T
+    m_t = o_t < nt
     m_s = o_t[:, None] > o_t[None, :]
     m_c = o_t[:, None] >= o_t[None, :]
     last = o_t == BT - 1
-    b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
-    b_gl = tl.load(gc + (i_bh * NT + i_t) * BT + BT - 1)
+    b_gc = tl.load(gc + ch * BT + o_t)
+    b_gl = tl.load(gc + ch * BT + BT - 1)
     e_g = tl.exp(b_gc)
     e_end = tl.exp(b_gl - b_gc)
-    b_beta = tl.load(beta + (i_b * T + t_idx) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_T = tl.make_block_ptr(tinv + (i_bh * NT + i_t) * BT * BT, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
+    b_beta = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_T, _ = _tile(tinv, ch * BT * BT, BT, BT, 0, BT, BT, BT)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
     b_Tt = tl.trans(tl.load(p_T))
     s_dk = -b_beta * e_g                               # row scale of dR S0^T in dk
 
@@ -329,27 +386,26 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     # the injected rows' dk and dbeta parts from _bwd_rows (dq's comes at the end: dq is rescaled
     # after the value loop); adding them here, where the accumulators are live anyway, spills least
     for l in tl.static_range(NE):
-        p_dkp = tl.make_block_ptr(dkp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                  (i_t * BT, 0), (BT, BK), (1, 0))
-        b_dk += tl.load(p_dkp, boundary_check=(0, 1))
-        b_db += tl.load(dbp + ((i_b * T + t_idx) * H + i_h) * NE + l, mask=m_t, other=0.)
+        p_dkp, _ = _tile(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+        b_dk += tl.load(p_dkp, mask=m_k, other=0.)
+        b_db += tl.load(dbp + ((t0 + o_t) * H + i_h) * NE + l, mask=m_t, other=0.)
     for i_v in range(tl.cdiv(V, BV)):
-        p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_u = tl.make_block_ptr(u + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_do = tl.make_block_ptr(do + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_v = tl.make_block_ptr(v + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_h = tl.make_block_ptr(h + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        p_dh = tl.make_block_ptr(dh + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        b_du = tl.load(p_du, boundary_check=(0, 1))
-        b_u = tl.load(p_u, boundary_check=(0, 1))
-        b_do = tl.load(p_do, boundary_check=(0, 1))
-        b_h = tl.load(p_h, boundary_check=(0, 1))
-        b_dh = tl.load(p_dh, boundary_check=(0, 1))
+        p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_u, _ = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_do, _ = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_v, _ = _tile(v, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        p_dh, _ = _tile(dh, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        b_du = tl.load(p_du, mask=m_v, other=0.)
+        b_u = tl.load(p_u, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        b_dh = tl.load(p_dh, mask=m_h, other=0.)
         b_dr = _dot(b_Tt, b_du, F32, DT)
-        p_dv = tl.make_block_ptr(dv + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_dv, (b_dr * b_beta[:, None]).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
+        p_dv, _ = _tile(dv, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        tl.store(p_dv, (b_dr * b_beta[:, None]).to(p_dv.dtype.element_ty), mask=m_v)
         b_ks = _dot(b_k, b_h, F32, DT)
-        b_db += tl.sum(b_dr * (tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) - e_g[:, None] * b_ks), axis=1)
+        b_db += tl.sum(b_dr * (tl.load(p_v, mask=m_v, other=0.).to(tl.float32) - e_g[:, None] * b_ks), axis=1)
         b_dgc += tl.sum(b_dr * b_ks, axis=1) * s_dk
         b_dgc += tl.sum(b_do.to(tl.float32) * _dot(b_q, b_h, F32, DT), axis=1) * (scale * e_g)
         b_x += tl.sum(b_u.to(tl.float32) * _dot(b_k, b_dh, F32, DT), axis=1)
@@ -385,49 +441,49 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     b_Y = tl.dot(tl.where(o_t[None, :] >= o_t[:, None], 1., 0.), b_Ds, input_precision="tf32x3")
     b_dg += tl.sum(tl.where(o_t[None, :] < o_t[:, None], b_Y, 0.), axis=1)
     for l in tl.static_range(NE):
-        p_dqp = tl.make_block_ptr(dqp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                  (i_t * BT, 0), (BT, BK), (1, 0))
-        b_dq += tl.load(p_dqp, boundary_check=(0, 1))
-        b_dg += tl.load(dgp + ((i_b * T + t_idx) * H + i_h) * NE + l, mask=m_t, other=0.)
-    p_dq = tl.make_block_ptr(dq + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_dk = tl.make_block_ptr(dk + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(dbeta + (i_b * T + t_idx) * H + i_h, b_db, mask=m_t)
-    tl.store(dg + (i_b * T + t_idx) * H + i_h, b_dg, mask=m_t)
+        p_dqp, _ = _tile(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+        b_dq += tl.load(p_dqp, mask=m_k, other=0.)
+        b_dg += tl.load(dgp + ((t0 + o_t) * H + i_h) * NE + l, mask=m_t, other=0.)
+    p_dq, _ = _tile(dq, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_dk, _ = _tile(dk, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_k)
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_k)
+    tl.store(dbeta + (t0 + o_t) * H + i_h, b_db, mask=m_t)
+    tl.store(dg + (t0 + o_t) * H + i_h, b_dg, mask=m_t)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp, dgp, scale, T,
-              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "H"])
+def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp, dgp, scale,
+              cu_seqlens, chunk_indices, T, H,
+              K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              F32: tl.constexpr, DT: tl.constexpr):
+              F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # The injected rows: E_l in the solve, P_l in the output, (Ke_l, Ve_l) in the state; one row
-    # l per program (grid [NT, BH, NE]) so that no program holds the row terms and GDN's at once
+    # l per program (grid [NC, H, NE]) so that no program holds the row terms and GDN's at once
     # (register spills). dke, dve are final; the dq, dk, dbeta and dg contributions go to float32
     # partials that _bwd_local adds. dg's part is this row's own box sum (the box sum is linear).
-    i_t, i_bh, l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    i_c, i_h, l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = eos - t0
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    t_idx = i_t * BT + o_t
-    m_t = t_idx < T
+    m_t = o_t < nt
     m_s = o_t[:, None] > o_t[None, :]
     m_c = o_t[:, None] >= o_t[None, :]
     last = o_t == BT - 1
-    b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
-    b_gl = tl.load(gc + (i_bh * NT + i_t) * BT + BT - 1)
+    b_gc = tl.load(gc + ch * BT + o_t)
+    b_gl = tl.load(gc + ch * BT + BT - 1)
     e_end = tl.exp(b_gl - b_gc)
-    b_beta = tl.load(beta + (i_b * T + t_idx) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_T = tl.make_block_ptr(tinv + (i_bh * NT + i_t) * BT * BT, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
-    p_ke = tl.make_block_ptr(ke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                             (i_t * BT, 0), (BT, BK), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
+    b_beta = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_T, _ = _tile(tinv, ch * BT * BT, BT, BT, 0, BT, BT, BT)
+    p_ke, _ = _tile(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
     b_Tt = tl.trans(tl.load(p_T))
-    b_ke = tl.load(p_ke, boundary_check=(0, 1))
+    b_ke = tl.load(p_ke, mask=m_k, other=0.)
     gam_s, gam_c = _decay_masks(b_gc, BT)
     b_E = _dot(b_k, tl.trans(b_ke), F32, DT) * gam_s
     b_Pl = _dot(b_q, tl.trans(b_ke), F32, DT) * gam_c * scale
@@ -437,15 +493,14 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     b_xl = tl.zeros([BT], dtype=tl.float32)
     kdec = (b_ke.to(tl.float32) * e_end[:, None]).to(b_ke.dtype)
     for i_v in range(tl.cdiv(V, BV)):
-        p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_do = tl.make_block_ptr(do + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_dh = tl.make_block_ptr(dh + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        p_ve = tl.make_block_ptr(ve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                 (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_du = tl.load(p_du, boundary_check=(0, 1))
-        b_do = tl.load(p_do, boundary_check=(0, 1))
-        b_dh = tl.load(p_dh, boundary_check=(0, 1))
-        b_ve = tl.load(p_ve, boundary_check=(0, 1))
+        p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_do, _ = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_dh, m_h = _tile(dh, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        p_ve, _ = _tile(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
+        b_du = tl.load(p_du, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_dh = tl.load(p_dh, mask=m_h, other=0.)
+        b_ve = tl.load(p_ve, mask=m_v, other=0.)
         b_dr = _dot(b_Tt, b_du, F32, DT)
         b_G += _dot(b_dr, tl.trans(b_ve), F32, DT)
         b_dPl += _dot(b_do, tl.trans(b_ve), F32, DT)
@@ -454,9 +509,8 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
         b_dke += _dot(b_ve.to(tl.float32) * e_end[:, None], tl.trans(b_dh), F32, DT)
         b_dve = (_dot(tl.trans(b_Pl), b_do, F32, DT) + b_kdh
                  - _dot(tl.trans(b_E), b_dr * b_beta[:, None], F32, DT))
-        p_dve = tl.make_block_ptr(dve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                  (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_dve, b_dve.to(p_dve.dtype.element_ty), boundary_check=(0, 1))
+        p_dve, _ = _tile(dve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
+        tl.store(p_dve, b_dve.to(p_dve.dtype.element_ty), mask=m_v)
     b_db = -tl.sum(b_E * b_G, axis=1)
     b_dE = -tl.where(m_s, b_G, 0.) * b_beta[:, None]
     b_Ds = b_dE * b_E
@@ -472,17 +526,14 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     b_Ds = tl.where(m_s, b_Ds, 0.)
     b_Y = tl.dot(tl.where(o_t[None, :] >= o_t[:, None], 1., 0.), b_Ds, input_precision="tf32x3")
     b_dg = tl.sum(tl.where(o_t[None, :] < o_t[:, None], b_Y, 0.), axis=1)
-    p_dke = tl.make_block_ptr(dke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                              (i_t * BT, 0), (BT, BK), (1, 0))
-    tl.store(p_dke, b_dke.to(p_dke.dtype.element_ty), boundary_check=(0, 1))
-    p_dqp = tl.make_block_ptr(dqp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                              (i_t * BT, 0), (BT, BK), (1, 0))
-    p_dkp = tl.make_block_ptr(dkp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                              (i_t * BT, 0), (BT, BK), (1, 0))
-    tl.store(p_dqp, b_dq, boundary_check=(0, 1))
-    tl.store(p_dkp, b_dk, boundary_check=(0, 1))
-    tl.store(dbp + ((i_b * T + t_idx) * H + i_h) * NE + l, b_db, mask=m_t)
-    tl.store(dgp + ((i_b * T + t_idx) * H + i_h) * NE + l, b_dg, mask=m_t)
+    p_dke, _ = _tile(dke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+    tl.store(p_dke, b_dke.to(p_dke.dtype.element_ty), mask=m_k)
+    p_dqp, _ = _tile(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+    p_dkp, _ = _tile(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+    tl.store(p_dqp, b_dq, mask=m_k)
+    tl.store(p_dkp, b_dk, mask=m_k)
+    tl.store(dbp + ((t0 + o_t) * H + i_h) * NE + l, b_db, mask=m_t)
+    tl.store(dgp + ((t0 + o_t) * H + i_h) * NE + l, b_dg, mask=m_t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -492,9 +543,10 @@ _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.flo
 
 
 def _dot_dtype(dt):
-    # Triton 3.6's CPU interpreter multiplies bf16 bit patterns as integers in tl.dot; there the
-    # operands are rounded to the input dtype by the loads/stores and multiplied in float32
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    # The CPU interpreter (Triton 3.6, 3.7 and 3.9 alike) multiplies bf16 bit patterns as integers
+    # in tl.dot (float16 is exact): there bf16 operands, already rounded by the loads and stores,
+    # are multiplied in float32
+    if dt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1":
         return tl.float32
     return _DOT_DTYPES[dt]
 
@@ -517,26 +569,29 @@ def _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state):
     NE = 0 if ke is None else ke.shape[3]
     BT = CHUNK
     NT = triton.cdiv(T, BT)
+    NC = B * NT
     BK, BV = _blocks(K, V)
     NV = triton.cdiv(V, BV)
     dev, dt = q.device, q.dtype
     F32 = dt == torch.float32
     DT = _dot_dtype(dt)
     ke_, ve_ = (ke, ve) if NE else (k, v)  # dummies, never read when NE == 0
-    gc = _empty(B, H, NT * BT, dtype=torch.float32, device=dev)
-    tinv = _empty(B, H, NT, BT, BT, dtype=dt, device=dev)
+    cu, ci, co = k, k, k                    # sequence tables: dummies for fixed-length batches
+    gc = _empty(NC, H, BT, dtype=torch.float32, device=dev)
+    tinv = _empty(NC, H, BT, BT, dtype=dt, device=dev)
     w = _empty(B, T, H, K, dtype=dt, device=dev)
     u = _empty(B, T, H, V, dtype=dt, device=dev)
-    h = _empty(B, H, NT, K, V, dtype=dt, device=dev)
+    h = _empty(NC, H, K, V, dtype=dt, device=dev)
     ht = _empty(B, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     o = _empty(B, T, H, V, dtype=dt, device=dev)
     # with two or more injected rows the software pipeline's copies of every tile overflow
     # shared memory (238 KB seen at L=3, K=V=128): no pipelining there
-    meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, F32=F32, DT=DT, num_stages=_stages(NE, BK))
-    _fwd_prep[(NT, B * H)](k, v, ke_, ve_, g, beta, gc, tinv, w, u, T, NE=NE, **meta, num_warps=8)
-    _fwd_state[(NV, B * H)](k, ke_, ve_, w, u, gc, h, h0, ht, T, NE=NE, **meta,
+    meta = dict(K=K, V=V, BT=BT, BK=BK, BV=BV, F32=F32, DT=DT, IS_VARLEN=False,
+                num_stages=_stages(NE, BK))
+    _fwd_prep[(NC, H)](k, v, ke_, ve_, g, beta, gc, tinv, w, u, cu, ci, T, H, NE=NE, **meta, num_warps=8)
+    _fwd_state[(NV, B * H)](k, ke_, ve_, w, u, gc, h, h0, ht, cu, co, T, H, NE=NE, **meta,
                             HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=4)
-    _fwd_out[(NV, NT, B * H)](q, k, ke_, ve_, u, gc, h, o, scale, T, NE=NE, **meta, num_warps=4)
+    _fwd_out[(NV, NC, H)](q, k, ke_, ve_, u, gc, h, o, scale, cu, ci, T, H, NE=NE, **meta, num_warps=4)
     return o, ht, (gc, tinv, w, u, h)
 
 
@@ -546,18 +601,21 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht):
     NE = 0 if ke is None else ke.shape[3]
     BT = CHUNK
     NT = triton.cdiv(T, BT)
+    NC = B * NT
     BK, BV = _blocks(K, V)
     NV = triton.cdiv(V, BV)
     dev, dt = q.device, q.dtype
     F32 = dt == torch.float32
     DT = _dot_dtype(dt)
+    cu, ci, co = k, k, k
     gc, tinv, w, u, h = saved
-    meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, F32=F32, DT=DT, num_stages=_stages(NE, BK))
+    meta = dict(K=K, V=V, BT=BT, BK=BK, BV=BV, F32=F32, DT=DT, IS_VARLEN=False,
+                num_stages=_stages(NE, BK))
     du = _empty(B, T, H, V, dtype=dt, device=dev)
-    dh = _empty(B, H, NT, K, V, dtype=dt, device=dev)
+    dh = _empty(NC, H, K, V, dtype=dt, device=dev)
     dh0 = _empty(B, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    _bwd_dv_local[(NV, NT, B * H)](q, k, gc, do, du, scale, T, **meta, num_warps=4)
-    _bwd_state[(NV, B * H)](q, k, w, gc, do, du, dh, dht, dh0, scale, T, **meta,
+    _bwd_dv_local[(NV, NC, H)](q, k, gc, do, du, scale, cu, ci, T, H, **meta, num_warps=4)
+    _bwd_state[(NV, B * H)](q, k, w, gc, do, du, dh, dht, dh0, scale, cu, co, T, H, **meta,
                             HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=8)
     dq = _empty(B, T, H, K, dtype=dt, device=dev)
     dk = _empty(B, T, H, K, dtype=dt, device=dev)
@@ -571,14 +629,14 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht):
         dkp = _empty(B, T, H, NE, K, dtype=torch.float32, device=dev)
         dbp = _empty(B, T, H, NE, dtype=torch.float32, device=dev)
         dgp = _empty(B, T, H, NE, dtype=torch.float32, device=dev)
-        _bwd_rows[(NT, B * H, NE)](q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve,
-                                   dqp, dkp, dbp, dgp, scale, T, NE=NE, **meta,
-                                   num_warps=4 if BK <= 64 else 8)
+        _bwd_rows[(NC, H, NE)](q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve,
+                               dqp, dkp, dbp, dgp, scale, cu, ci, T, H, NE=NE, **meta,
+                               num_warps=4 if BK <= 64 else 8)
     else:
         dqp = dkp = dbp = dgp = dbeta  # GDN: no partials (NE = 0 never reads them)
-    _bwd_local[(NT, B * H)](q, k, v, beta, gc, tinv, h, dh, u, du, do,
-                            dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, T,
-                            NE=NE, **meta, num_warps=4 if BK <= 64 else 8)
+    _bwd_local[(NC, H)](q, k, v, beta, gc, tinv, h, dh, u, du, do,
+                        dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu, ci, T, H,
+                        NE=NE, **meta, num_warps=4 if BK <= 64 else 8)
     return dq, dk, dv, dg, dbeta, dke, dve, dh0
 
 
