@@ -214,6 +214,91 @@ def test_gpu_long_sequence_extreme_decay(poisoned, g_range):
     print(f"\nT=65536 g in {g_range}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 
+def chunk_rel_errs(a, b, C=64):
+    """Relative Frobenius error of every C-token chunk of [B,T,...] tensors (all heads and
+    features of the chunk together): a wrong region (say, a wrapped 32-bit offset past some
+    token) shows up at full size instead of being diluted by the rest of the sequence."""
+    a, b = a.float().flatten(2), b.float().flatten(2)
+    T = a.shape[1]
+    pad = (-T) % C
+    d = F.pad(a - b, (0, 0, 0, pad)).unflatten(1, (-1, C)).pow(2).sum((0, 2, 3))
+    n = F.pad(b, (0, 0, 0, pad)).unflatten(1, (-1, C)).pow(2).sum((0, 2, 3))
+    return (d / n.clamp_min(1e-30)).sqrt()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_million_tokens_int64_offsets():
+    # B=1, T=2^20, H=6, K=128, V=256, L=3, bf16: h/dh hold 6.4e9 elements and ve's token offsets
+    # pass 2^31, so every 32-bit product would wrap. Reference: delta_rule_chunk in float32 on the
+    # GPU, run segment by segment (forward keeps only the boundary states; backward recomputes
+    # each segment with autograd, last first, carrying the state gradient), so its memory is one
+    # segment's. Kernel memory: ~70 GB.
+    seed = torch.seed() % 2**31
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    B, T, H, K, V, NE, SEG = 1, 2**20, 6, 128, 256, 2, 2**16
+    bf = torch.bfloat16
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    q = F.normalize(r(B, T, H, K), dim=-1).to(bf)
+    k = F.normalize(r(B, T, H, K), dim=-1).to(bf)
+    v = r(B, T, H, V).to(bf)
+    g = -3 * torch.rand(B, T, H, generator=gen, device="cuda")
+    beta = torch.rand(B, T, H, generator=gen, device="cuda").to(bf)
+    ke = F.normalize(r(B, T, H, NE, K), dim=-1).to(bf)
+    ve = (0.5 * r(B, T, H, NE, V)).to(bf)
+    s0 = 0.5 * r(B, H, K, V)
+    do = r(B, T, H, V).to(bf)
+    dht = r(B, H, K, V)
+    xs = [x.requires_grad_() for x in (q, k, v, g, beta, ke, ve, s0)]
+    o, ht = chunk_prism(*xs[:7], initial_state=xs[7], output_final_state=True)
+    torch.autograd.backward([o, ht], [do, dht])
+    out = {"o": o.detach(), "final_state": ht.detach()}
+    out.update({n: x.grad for n, x in zip(NAMES[2:], (q, k, v, g, beta, ke, ve, s0))})
+    del o, ht
+    for x in xs:
+        x.grad = None
+    torch.cuda.empty_cache()
+
+    ins = [x.detach() for x in xs[:7]]
+    states = [xs[7].detach()]
+    worst = {}
+    tag = f"T=2^20 H=6 K=128 V=256 L=3 bf16 seed={seed}"
+    sq = {}  # name -> [sum |a-b|^2, sum |b|^2] over the segments, for the whole-tensor error
+
+    def check(name, a, b, tol=5e-2):
+        # every 64-token chunk within tol (bf16 noise is ~5e-3; a wrong region gives ~1)
+        assert torch.isfinite(a).all(), f"{tag} {name}: non-finite values"
+        e = chunk_rel_errs(a, b) if name not in ("final_state", "dh0") else torch.tensor([rel_err(a, b)])
+        worst[name] = max(worst.get(name, 0.0), e.max().item())
+        assert e.max() <= tol, f"{tag} {name}: chunk rel. error {e.max().item():.2e} at chunk {e.argmax().item()}"
+        acc = sq.setdefault(name, [0.0, 0.0])
+        acc[0] += (a.double() - b.double()).pow(2).sum().item()
+        acc[1] += b.double().pow(2).sum().item()
+
+    with torch.no_grad():
+        for s in range(0, T, SEG):
+            o_s, st = delta_rule_chunk(*(x[:, s:s + SEG].float() for x in ins), initial_state=states[-1],
+                                       output_final_state=True)
+            check("o", out["o"][:, s:s + SEG], o_s)
+            states.append(st)
+    check("final_state", out["final_state"], states[-1])
+    dS = dht
+    for s in reversed(range(0, T, SEG)):
+        seg = [x[:, s:s + SEG].to(torch.float32, copy=True).requires_grad_() for x in ins]
+        st0 = states[s // SEG].clone().requires_grad_()
+        o_s, st = delta_rule_chunk(*seg, initial_state=st0, output_final_state=True)
+        torch.autograd.backward([o_s, st], [do[:, s:s + SEG].float(), dS])
+        for name, x in zip(NAMES[2:9], seg):
+            check(name, out[name][:, s:s + SEG], x.grad)
+        dS = st0.grad
+        del seg, o_s, st
+    check("dh0", out["dh0"], dS)
+    whole = {n: (a / b) ** 0.5 for n, (a, b) in sq.items()}
+    bad = {n: e for n, e in whole.items() if not e <= 1e-2}
+    assert not bad, f"{tag}: whole-tensor rel. error over 1e-2: {bad}"
+    print(f"\n{tag}: worst chunk rel. errors " + " ".join(f"{n}={e:.1e}" for n, e in worst.items()))
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2)])
