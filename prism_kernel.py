@@ -81,6 +81,13 @@ def _decay_masks(b_gc, BT: tl.constexpr):
 
 
 @triton.jit
+def _ptrs(x, off, stride, c0, BR: tl.constexpr, BC: tl.constexpr):
+    # pointers of the [BR, BC] tile at rows 0..BR-1, columns c0.. of a row-major view starting at
+    # x + off (off int64) with row stride `stride`; in-tile offsets (< BR * stride) fit int32
+    return x + off + tl.arange(0, BR)[:, None] * stride + (c0 + tl.arange(0, BC))[None, :]
+
+
+@triton.jit
 def _tile(x, off, stride, n_rows, c0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
     # pointers and mask of the [BR, BC] tile at rows 0..BR-1, columns c0.. of a row-major view
     # that starts at x + off (off int64) with row stride `stride`; rows >= n_rows and columns
@@ -88,6 +95,15 @@ def _tile(x, off, stride, n_rows, c0, n_cols, BR: tl.constexpr, BC: tl.constexpr
     o_r = tl.arange(0, BR)
     o_c = c0 + tl.arange(0, BC)
     return x + off + o_r[:, None] * stride + o_c[None, :], (o_r < n_rows)[:, None] & (o_c < n_cols)[None, :]
+
+
+@triton.jit
+def _tile_t(x, off, stride, n_rows, n_cols, BC: tl.constexpr, BR: tl.constexpr):
+    # the same view's [BR, BC] tile loaded transposed, as [BC, BR] (column c, row r): a dot's
+    # left operand straight from memory, no transpose in registers
+    o_r = tl.arange(0, BR)
+    o_c = tl.arange(0, BC)
+    return x + off + o_c[:, None] + o_r[None, :] * stride, (o_c < n_cols)[:, None] & (o_r < n_rows)[None, :]
 
 
 @triton.jit
@@ -131,7 +147,7 @@ def _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: 
 # 2^31 (token * H * D, ch * K * V) is formed in int64.
 
 @triton.jit(do_not_specialize=["T", "H"])
-def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, cu_seqlens, chunk_indices, T, H,
+def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, hr, cu_seqlens, chunk_indices, T, H,
               K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -158,35 +174,47 @@ def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, cu_seqlens, chunk_indices, 
         a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.), axis=0)
         row = -tl.sum(a_i[:, None] * b_T, axis=0) + tl.where(o_t == i, 1., 0.)
         b_T = tl.where(o_t[:, None] == i, row[None, :], b_T)
-    p_T, _ = _tile(tinv, ch * BT * BT, BT, BT, 0, BT, BT, BT)
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
     tl.store(p_T, b_T.to(p_T.dtype.element_ty))
     # W = Tm diag(beta exp(G)) K
     b_w = _dot(b_T, b_k.to(tl.float32) * (b_beta * tl.exp(b_gc))[:, None], F32, DT)
-    p_w, _ = _tile(w, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_w = _ptrs(w, (t0 * H + i_h) * K, H * K, 0, BT, BK)
     tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_k)
-    # U' = Tm diag(beta) (V - sum_l E_l Ve_l)
+    # U' = Tm diag(beta) (V - sum_l E_l Ve_l); the rows' own state term per chunk,
+    # R = sum_l Ke_l^T diag(exp(G_C - G)) Ve_l, does not depend on the state: it is formed here,
+    # in parallel over chunks, and the sequential pass only adds it
+    b_gl = tl.sum(tl.where(o_t == BT - 1, b_gc, 0.), axis=0)
+    e_end = tl.exp(b_gl - b_gc)
     for i_v in range(tl.cdiv(V, BV)):
         p_v, m_v = _tile(v, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
         b_acc = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        if NE > 0:
+            b_r = tl.zeros([BK, BV], dtype=tl.float32)
         for l in tl.static_range(NE):
-            p_ke, m_ke = _tile(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
-            p_ve, m_ve = _tile(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
-            b_ke = tl.load(p_ke, mask=m_ke, other=0.)
-            b_ve = tl.load(p_ve, mask=m_ve, other=0.)
-            b_E = _dot(b_k, tl.trans(b_ke), F32, DT) * gam_s
+            p_keT, m_keT = _tile_t(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, K, BK, BT)
+            p_ve = _ptrs(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, i_v * BV, BT, BV)
+            b_keT = tl.load(p_keT, mask=m_keT, other=0.)
+            b_ve = tl.load(p_ve, mask=m_v, other=0.)
+            b_E = _dot(b_k, b_keT, F32, DT) * gam_s
             b_acc -= _dot(b_E, b_ve, F32, DT)
+            b_r += _dot(b_keT, b_ve.to(tl.float32) * e_end[:, None], F32, DT)
         b_u = _dot(b_T, b_acc * b_beta[:, None], F32, DT)
-        p_u, _ = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_u = _ptrs(u, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
         tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
+        if NE > 0:
+            p_r, m_r = _tile(hr, ch * K * V, V, K, i_v * BV, V, BK, BV)
+            tl.store(p_r, b_r.to(p_r.dtype.element_ty), mask=m_r)
 
 
 @triton.jit(do_not_specialize=["T", "H"])
-def _fwd_state(k, ke, ve, w, u, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H,
+def _fwd_state(k, w, u, gc, hr, h, h0, ht, cu_seqlens, chunk_offsets, T, H,
                K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                F32: tl.constexpr, DT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                IS_VARLEN: tl.constexpr):
     # sequential over one sequence's chunks: store the entering state, turn U' into U, advance
+    #   U = U' - W S0;   S' = exp(G_C) S0 + K^T diag(exp(G_C - G)) U + R   (R: the rows, from _fwd_prep)
+    # The decay scales the narrow [BT, BV] operand, and K comes transposed from memory.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, boc = _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -204,23 +232,18 @@ def _fwd_state(k, ke, ve, w, u, gc, h, h0, ht, cu_seqlens, chunk_offsets, T, H,
         p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
         p_w, m_k = _tile(w, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-        p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+        p_kT, m_kT = _tile_t(k, (t0 * H + i_h) * K, H * K, nt, K, BK, BT)
         p_u, m_v = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
         b_w = tl.load(p_w, mask=m_k, other=0.)
-        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_kT = tl.load(p_kT, mask=m_kT, other=0.)
         b_u = tl.load(p_u, mask=m_v, other=0.).to(tl.float32) - _dot(b_w, b_h, F32, DT)
         tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
         b_gc = tl.load(gc + ch * BT + o_t)
         b_gl = tl.load(gc + ch * BT + BT - 1)
-        b_dec = tl.exp(b_gl - b_gc)
-        b_hn = b_h * tl.exp(b_gl) + _dot(tl.trans(b_k.to(tl.float32) * b_dec[:, None]), b_u, F32, DT)
-        for l in tl.static_range(NE):
-            p_ke, _ = _tile(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
-            p_ve, _ = _tile(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
-            b_ke = tl.load(p_ke, mask=m_k, other=0.)
-            b_ve = tl.load(p_ve, mask=m_v, other=0.)
-            b_hn += _dot(tl.trans(b_ke.to(tl.float32) * b_dec[:, None]), b_ve, F32, DT)
-        b_h = b_hn
+        b_h = b_h * tl.exp(b_gl) + _dot(b_kT, b_u * tl.exp(b_gl - b_gc)[:, None], F32, DT)
+        if NE > 0:
+            p_r = _ptrs(hr, ch * K * V, V, i_v * BV, BK, BV)
+            b_h += tl.load(p_r, mask=m_h, other=0.).to(tl.float32)
     if STORE_HT:
         p_ht, m_h = _tile(ht, s_off, V, K, i_v * BV, V, BK, BV)
         tl.store(p_ht, b_h, mask=m_h)
@@ -240,7 +263,7 @@ def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, cu_seqlens, chunk_indices, T, H,
     b_gc = tl.load(gc + ch * BT + o_t)
     _, gam_c = _decay_masks(b_gc, BT)
     p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-    p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
     p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
     p_u, m_v = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
     b_q = tl.load(p_q, mask=m_k, other=0.)
@@ -251,13 +274,13 @@ def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, cu_seqlens, chunk_indices, T, H,
     b_P = _dot(b_q, tl.trans(b_k), F32, DT) * gam_c
     b_o += _dot(b_P, b_u, F32, DT)
     for l in tl.static_range(NE):
-        p_ke, _ = _tile(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
-        p_ve, _ = _tile(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
+        p_ke = _ptrs(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
+        p_ve = _ptrs(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, i_v * BV, BT, BV)
         b_ke = tl.load(p_ke, mask=m_k, other=0.)
         b_ve = tl.load(p_ve, mask=m_v, other=0.)
         b_Pl = _dot(b_q, tl.trans(b_ke), F32, DT) * gam_c
         b_o += _dot(b_Pl, b_ve, F32, DT)
-    p_o, _ = _tile(o, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+    p_o = _ptrs(o, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
     tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), mask=m_v)
 
 
@@ -279,14 +302,14 @@ def _bwd_dv_local(q, k, gc, do, du, scale, cu_seqlens, chunk_indices, T, H,
     b_gc = tl.load(gc + ch * BT + o_t)
     _, gam_c = _decay_masks(b_gc, BT)
     p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-    p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
     p_do, m_v = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
     b_q = tl.load(p_q, mask=m_k, other=0.)
     b_k = tl.load(p_k, mask=m_k, other=0.)
     b_do = tl.load(p_do, mask=m_v, other=0.)
     b_P = _dot(b_q, tl.trans(b_k), F32, DT) * gam_c * scale
     b_du = _dot(tl.trans(b_P), b_do, F32, DT)
-    p_du, _ = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+    p_du = _ptrs(du, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
     tl.store(p_du, b_du.to(p_du.dtype.element_ty), mask=m_v)
 
 
@@ -317,20 +340,20 @@ def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offse
         tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), mask=m_h)
         b_gc = tl.load(gc + ch * BT + o_t)
         b_gl = tl.load(gc + ch * BT + BT - 1)
-        p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-        p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-        p_w, _ = _tile(w, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+        p_qT, m_kT = _tile_t(q, (t0 * H + i_h) * K, H * K, nt, K, BK, BT)
+        p_wT, m_wT = _tile_t(w, (t0 * H + i_h) * K, H * K, nt, K, BK, BT)
+        p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
         p_do, m_v = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
-        p_du, _ = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
-        b_q = tl.load(p_q, mask=m_k, other=0.)
+        p_du = _ptrs(du, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        b_qT = tl.load(p_qT, mask=m_kT, other=0.)
+        b_wT = tl.load(p_wT, mask=m_wT, other=0.)
         b_k = tl.load(p_k, mask=m_k, other=0.)
-        b_w = tl.load(p_w, mask=m_k, other=0.)
         b_do = tl.load(p_do, mask=m_v, other=0.)
         b_du = tl.load(p_du, mask=m_v, other=0.).to(tl.float32)
-        b_du += _dot(b_k.to(tl.float32) * tl.exp(b_gl - b_gc)[:, None], b_dh, F32, DT)
+        b_du += _dot(b_k, b_dh, F32, DT) * tl.exp(b_gl - b_gc)[:, None]
         tl.store(p_du, b_du.to(p_du.dtype.element_ty), mask=m_v)
-        b_qg = b_q.to(tl.float32) * (scale * tl.exp(b_gc))[:, None]
-        b_dh = b_dh * tl.exp(b_gl) + _dot(tl.trans(b_qg), b_do, F32, DT) - _dot(tl.trans(b_w), b_du, F32, DT)
+        b_dos = b_do.to(tl.float32) * (scale * tl.exp(b_gc))[:, None]
+        b_dh = b_dh * tl.exp(b_gl) + _dot(b_qT, b_dos, F32, DT) - _dot(b_wT, b_du, F32, DT)
     if STORE_DH0:
         p_dh0, m_h = _tile(dh0, s_off, V, K, i_v * BV, V, BK, BV)
         tl.store(p_dh0, b_dh, mask=m_h)
@@ -368,8 +391,8 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     e_end = tl.exp(b_gl - b_gc)
     b_beta = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-    p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-    p_T, _ = _tile(tinv, ch * BT * BT, BT, BT, 0, BT, BT, BT)
+    p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
     b_q = tl.load(p_q, mask=m_k, other=0.)
     b_k = tl.load(p_k, mask=m_k, other=0.)
     b_Tt = tl.trans(tl.load(p_T))
@@ -386,23 +409,23 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     # the injected rows' dk and dbeta parts from _bwd_rows (dq's comes at the end: dq is rescaled
     # after the value loop); adding them here, where the accumulators are live anyway, spills least
     for l in tl.static_range(NE):
-        p_dkp, _ = _tile(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+        p_dkp = _ptrs(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
         b_dk += tl.load(p_dkp, mask=m_k, other=0.)
         b_db += tl.load(dbp + ((t0 + o_t) * H + i_h) * NE + l, mask=m_t, other=0.)
     for i_v in range(tl.cdiv(V, BV)):
         p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
-        p_u, _ = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
-        p_do, _ = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
-        p_v, _ = _tile(v, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_u = _ptrs(u, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_do = _ptrs(do, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_v = _ptrs(v, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
         p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
-        p_dh, _ = _tile(dh, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        p_dh = _ptrs(dh, ch * K * V, V, i_v * BV, BK, BV)
         b_du = tl.load(p_du, mask=m_v, other=0.)
         b_u = tl.load(p_u, mask=m_v, other=0.)
         b_do = tl.load(p_do, mask=m_v, other=0.)
         b_h = tl.load(p_h, mask=m_h, other=0.)
         b_dh = tl.load(p_dh, mask=m_h, other=0.)
         b_dr = _dot(b_Tt, b_du, F32, DT)
-        p_dv, _ = _tile(dv, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_dv = _ptrs(dv, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
         tl.store(p_dv, (b_dr * b_beta[:, None]).to(p_dv.dtype.element_ty), mask=m_v)
         b_ks = _dot(b_k, b_h, F32, DT)
         b_db += tl.sum(b_dr * (tl.load(p_v, mask=m_v, other=0.).to(tl.float32) - e_g[:, None] * b_ks), axis=1)
@@ -441,11 +464,11 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     b_Y = tl.dot(tl.where(o_t[None, :] >= o_t[:, None], 1., 0.), b_Ds, input_precision="tf32x3")
     b_dg += tl.sum(tl.where(o_t[None, :] < o_t[:, None], b_Y, 0.), axis=1)
     for l in tl.static_range(NE):
-        p_dqp, _ = _tile(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+        p_dqp = _ptrs(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
         b_dq += tl.load(p_dqp, mask=m_k, other=0.)
         b_dg += tl.load(dgp + ((t0 + o_t) * H + i_h) * NE + l, mask=m_t, other=0.)
-    p_dq, _ = _tile(dq, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-    p_dk, _ = _tile(dk, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_dq = _ptrs(dq, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    p_dk = _ptrs(dk, (t0 * H + i_h) * K, H * K, 0, BT, BK)
     tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_k)
     tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_k)
     tl.store(dbeta + (t0 + o_t) * H + i_h, b_db, mask=m_t)
@@ -477,9 +500,9 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     e_end = tl.exp(b_gl - b_gc)
     b_beta = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-    p_k, _ = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
-    p_T, _ = _tile(tinv, ch * BT * BT, BT, BT, 0, BT, BT, BT)
-    p_ke, _ = _tile(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+    p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
+    p_ke = _ptrs(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
     b_q = tl.load(p_q, mask=m_k, other=0.)
     b_k = tl.load(p_k, mask=m_k, other=0.)
     b_Tt = tl.trans(tl.load(p_T))
@@ -494,9 +517,9 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     kdec = (b_ke.to(tl.float32) * e_end[:, None]).to(b_ke.dtype)
     for i_v in range(tl.cdiv(V, BV)):
         p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
-        p_do, _ = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_do = _ptrs(do, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
         p_dh, m_h = _tile(dh, ch * K * V, V, K, i_v * BV, V, BK, BV)
-        p_ve, _ = _tile(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
+        p_ve = _ptrs(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, i_v * BV, BT, BV)
         b_du = tl.load(p_du, mask=m_v, other=0.)
         b_do = tl.load(p_do, mask=m_v, other=0.)
         b_dh = tl.load(p_dh, mask=m_h, other=0.)
@@ -509,7 +532,7 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
         b_dke += _dot(b_ve.to(tl.float32) * e_end[:, None], tl.trans(b_dh), F32, DT)
         b_dve = (_dot(tl.trans(b_Pl), b_do, F32, DT) + b_kdh
                  - _dot(tl.trans(b_E), b_dr * b_beta[:, None], F32, DT))
-        p_dve, _ = _tile(dve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
+        p_dve = _ptrs(dve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, i_v * BV, BT, BV)
         tl.store(p_dve, b_dve.to(p_dve.dtype.element_ty), mask=m_v)
     b_db = -tl.sum(b_E * b_G, axis=1)
     b_dE = -tl.where(m_s, b_G, 0.) * b_beta[:, None]
@@ -526,10 +549,10 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     b_Ds = tl.where(m_s, b_Ds, 0.)
     b_Y = tl.dot(tl.where(o_t[None, :] >= o_t[:, None], 1., 0.), b_Ds, input_precision="tf32x3")
     b_dg = tl.sum(tl.where(o_t[None, :] < o_t[:, None], b_Y, 0.), axis=1)
-    p_dke, _ = _tile(dke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+    p_dke = _ptrs(dke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
     tl.store(p_dke, b_dke.to(p_dke.dtype.element_ty), mask=m_k)
-    p_dqp, _ = _tile(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
-    p_dkp, _ = _tile(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, 0, K, BT, BK)
+    p_dqp = _ptrs(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
+    p_dkp = _ptrs(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
     tl.store(p_dqp, b_dq, mask=m_k)
     tl.store(p_dkp, b_dk, mask=m_k)
     tl.store(dbp + ((t0 + o_t) * H + i_h) * NE + l, b_db, mask=m_t)
@@ -551,72 +574,154 @@ def _dot_dtype(dt):
     return _DOT_DTYPES[dt]
 
 
-def _blocks(K, V):
-    # BV = 32: the [BK, BV] float32 state tile stays in registers without spills at BK = 128
-    # (checked with ptxas for sm_90), and the sequential state passes get twice the programs
+SMEM_LIMIT = 232448   # bytes of shared memory per block on the H100/H200 (sm_90)
+# Launch choices to try without editing the rules below, e.g. {"state_bv": 16} (bench_kernel.py
+# --bv sets it); also from the environment: PRISM_KERNEL_CONFIG="state_bv=16,stages=2"
+OVERRIDES = {k: int(v) for k, v in (kv.split("=") for kv in
+                                    os.environ.get("PRISM_KERNEL_CONFIG", "").split(",") if kv)}
+
+
+def smem_estimate(name, BT, BK, BV, es, NE, stages):
+    """Shared memory (bytes) of one kernel from its tile sizes, an upper estimate: the tiles a
+    loop iteration loads are buffered `stages` times by the software pipeline, and every dot
+    operand that is not loaded in the loop is staged once. es = bytes per input element (the
+    saved h, W, U and Tm are in the input dtype too); float32 scratch tiles count 4 bytes.
+    bench/kernel_regs.py prints the compiled figure next to this one for every configuration."""
+    tk, tv, hk, cc = BT * BK * es, BT * BV * es, BK * BV * es, BT * BT * es
+    loop, fixed = {
+        "fwd_prep": (tv + NE * (tk + tv), tk + 2 * cc + BK * BV * 4),
+        "fwd_state": (2 * tk + tv + (hk if NE else 0), BK * BV * 4),
+        "fwd_out": (0, 2 * tk + hk + tv + NE * (tk + tv) + BT * BT * 4),
+        "bwd_dv_local": (0, 2 * tk + tv + BT * BT * 4),
+        "bwd_state": (3 * tk + 2 * tv, BK * BV * 4),
+        "bwd_rows": (3 * tv + hk, 3 * tk + cc + 2 * BT * BT * 4),
+        "bwd_local": (4 * tv + 2 * hk, 2 * tk + cc + 2 * BT * BT * 4),
+    }[name]
+    return stages * loop + fixed
+
+
+def launch_config(K, V, dtype, NE, n_seq):
+    """Every block size, warp count and pipeline depth in one place. n_seq = sequences x heads,
+    the program count of the sequential state passes per value block.
+    Returns (BT, BK, {kernel name: dict(BV=, num_warps=, num_stages=)}). BK is always the whole
+    key dim (the triangular solve and the state need all of K); BT is the chunk length."""
+    ov = OVERRIDES
+    es = torch.tensor([], dtype=dtype).element_size()
     BK = max(16, triton.next_power_of_2(K))
-    BV = min(32, max(16, triton.next_power_of_2(V)))
-    return BK, BV
+    Vp = max(16, triton.next_power_of_2(V))
+    # chunks of 64; 32 where [64, K] float32 operand tiles alone would fill shared memory
+    # (float32 at K = 256: the local backward kernels need 288 KB at 64)
+    BT = ov.get("chunk", 64 if BK * es <= 512 else 32)
+    # state passes: the [BK, BV] float32 state stays in registers (BV = 32 at BK = 128: no spills
+    # with ptxas for sm_90); few sequences x heads -> BV 16, twice the programs on the 132 SMs
+    state_bv = min(Vp, ov.get("state_bv", 32 if n_seq * triton.cdiv(V, 32) >= 132 else 16))
+    bv = min(Vp, ov.get("bv", 32))
+    wide = 4 if BK <= 64 else 8
+    cfg = dict(
+        fwd_prep=dict(BV=bv, num_warps=8),
+        fwd_state=dict(BV=state_bv, num_warps=4),
+        fwd_out=dict(BV=bv, num_warps=4),
+        bwd_dv_local=dict(BV=bv, num_warps=4),
+        bwd_state=dict(BV=state_bv, num_warps=8),
+        bwd_rows=dict(BV=bv, num_warps=wide),
+        bwd_local=dict(BV=bv, num_warps=wide),
+    )
+    # the deepest software pipeline (3, 2 or 1 copies of the loop's tiles) that fits with a margin
+    for name, c in cfg.items():
+        c["num_stages"] = ov.get("stages", next(
+            (s for s in (3, 2) if smem_estimate(name, BT, BK, c["BV"], es, NE, s) <= 0.9 * SMEM_LIMIT), 1))
+    return BT, BK, cfg
 
 
-def _stages(NE, BK):
-    return 3 if NE <= 1 and BK <= 128 else 1
+def _seq_lengths(cu_seqlens, T, who="chunk_prism"):
+    """Validate cu_seqlens (one host read) and return the sequence lengths (CPU int64)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{who}: cu_seqlens must be a 1-D int32/int64 tensor [N+1] of sequence starts and the end")
+    c = cu_seqlens.tolist()
+    if c[0] != 0 or c[-1] != T:
+        raise ValueError(f"{who}: cu_seqlens must start at 0 and end at T = {T}, got {c[0]} .. {c[-1]}")
+    lens = torch.tensor(c[1:], dtype=torch.int64) - torch.tensor(c[:-1], dtype=torch.int64)
+    if (lens <= 0).any():
+        raise ValueError(f"{who}: cu_seqlens must be strictly increasing "
+                         f"(empty sequence at index {int((lens <= 0).nonzero()[0])})")
+    return lens
 
 
-def _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state):
+def _seq_tables(cu_seqlens, T, BT):
+    """Packed-sequence tables on cu_seqlens' device: chunk_indices [NC, 2] = (sequence, chunk in
+    it) per chunk program, chunk_offsets [N+1] = first chunk of each sequence. Every sequence is
+    padded to whole chunks in this index space."""
+    lens = _seq_lengths(cu_seqlens, T)
+    nts = (lens + BT - 1) // BT
+    offsets = torch.cat([nts.new_zeros(1), nts.cumsum(0)])
+    seq = torch.repeat_interleave(torch.arange(len(nts)), nts)
+    chunk = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(nts)
+    dev = cu_seqlens.device
+    return (cu_seqlens.to(dev, torch.int32).contiguous(),
+            torch.stack([seq, chunk], 1).to(dev, torch.int32).contiguous(),
+            offsets.to(dev, torch.int32), len(nts), int(offsets[-1]))
+
+
+def _setup(q, v, ke, cu_seqlens, tables=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     NE = 0 if ke is None else ke.shape[3]
-    BT = CHUNK
-    NT = triton.cdiv(T, BT)
-    NC = B * NT
-    BK, BV = _blocks(K, V)
-    NV = triton.cdiv(V, BV)
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    BT, BK, cfg = launch_config(K, V, q.dtype, NE, n_seq * H)
+    meta = dict(K=K, V=V, BT=BT, BK=BK, F32=q.dtype == torch.float32, DT=_dot_dtype(q.dtype),
+                IS_VARLEN=cu_seqlens is not None)
+    if cu_seqlens is None:   # fixed length: program ids map arithmetically, the tables are unused
+        tables = (q, q, q, B, B * triton.cdiv(T, BT))
+    elif tables is None:     # the forward builds them (one host read), the backward reuses them
+        tables = _seq_tables(cu_seqlens, T, BT)
+    return NE, meta, cfg, tables
+
+
+def _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state, cu_seqlens):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NE, meta, cfg, tables = _setup(q, v, ke, cu_seqlens)
+    cu, ci, co, N, NC = tables
+    BT = meta["BT"]
     dev, dt = q.device, q.dtype
-    F32 = dt == torch.float32
-    DT = _dot_dtype(dt)
     ke_, ve_ = (ke, ve) if NE else (k, v)  # dummies, never read when NE == 0
-    cu, ci, co = k, k, k                    # sequence tables: dummies for fixed-length batches
     gc = _empty(NC, H, BT, dtype=torch.float32, device=dev)
     tinv = _empty(NC, H, BT, BT, dtype=dt, device=dev)
     w = _empty(B, T, H, K, dtype=dt, device=dev)
     u = _empty(B, T, H, V, dtype=dt, device=dev)
     h = _empty(NC, H, K, V, dtype=dt, device=dev)
-    ht = _empty(B, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    ht = _empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     o = _empty(B, T, H, V, dtype=dt, device=dev)
-    # with two or more injected rows the software pipeline's copies of every tile overflow
-    # shared memory (238 KB seen at L=3, K=V=128): no pipelining there
-    meta = dict(K=K, V=V, BT=BT, BK=BK, BV=BV, F32=F32, DT=DT, IS_VARLEN=False,
-                num_stages=_stages(NE, BK))
-    _fwd_prep[(NC, H)](k, v, ke_, ve_, g, beta, gc, tinv, w, u, cu, ci, T, H, NE=NE, **meta, num_warps=8)
-    _fwd_state[(NV, B * H)](k, ke_, ve_, w, u, gc, h, h0, ht, cu, co, T, H, NE=NE, **meta,
-                            HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=4)
-    _fwd_out[(NV, NC, H)](q, k, ke_, ve_, u, gc, h, o, scale, cu, ci, T, H, NE=NE, **meta, num_warps=4)
-    return o, ht, (gc, tinv, w, u, h)
+    # the injected rows' per-chunk state term (a temporary, in the state's dtype)
+    hr = _empty(NC, H, K, V, dtype=dt, device=dev) if NE else h
+    _fwd_prep[(NC, H)](k, v, ke_, ve_, g, beta, gc, tinv, w, u, hr, cu, ci, T, H, NE=NE, **meta,
+                       **cfg["fwd_prep"])
+    c = cfg["fwd_state"]
+    _fwd_state[(triton.cdiv(V, c["BV"]), N * H)](k, w, u, gc, hr, h, h0, ht, cu, co, T, H, NE=NE, **meta,
+                                                  HAS_H0=h0 is not None, STORE_HT=output_final_state, **c)
+    del hr
+    c = cfg["fwd_out"]
+    _fwd_out[(triton.cdiv(V, c["BV"]), NC, H)](q, k, ke_, ve_, u, gc, h, o, scale, cu, ci, T, H, NE=NE,
+                                                **meta, **c)
+    return o, ht, (gc, tinv, w, u, h), tables
 
 
-def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht):
+def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NE = 0 if ke is None else ke.shape[3]
-    BT = CHUNK
-    NT = triton.cdiv(T, BT)
-    NC = B * NT
-    BK, BV = _blocks(K, V)
-    NV = triton.cdiv(V, BV)
+    NE, meta, cfg, (cu, ci, co, N, NC) = _setup(q, v, ke, cu_seqlens, tables)
     dev, dt = q.device, q.dtype
-    F32 = dt == torch.float32
-    DT = _dot_dtype(dt)
-    cu, ci, co = k, k, k
     gc, tinv, w, u, h = saved
-    meta = dict(K=K, V=V, BT=BT, BK=BK, BV=BV, F32=F32, DT=DT, IS_VARLEN=False,
-                num_stages=_stages(NE, BK))
     du = _empty(B, T, H, V, dtype=dt, device=dev)
     dh = _empty(NC, H, K, V, dtype=dt, device=dev)
-    dh0 = _empty(B, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    _bwd_dv_local[(NV, NC, H)](q, k, gc, do, du, scale, cu, ci, T, H, **meta, num_warps=4)
-    _bwd_state[(NV, B * H)](q, k, w, gc, do, du, dh, dht, dh0, scale, cu, co, T, H, **meta,
-                            HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=8)
+    dh0 = _empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
+    c = cfg["bwd_dv_local"]
+    _bwd_dv_local[(triton.cdiv(V, c["BV"]), NC, H)](q, k, gc, do, du, scale, cu, ci, T, H, **meta, **c)
+    c = cfg["bwd_state"]
+    _bwd_state[(triton.cdiv(V, c["BV"]), N * H)](q, k, w, gc, do, du, dh, dht, dh0, scale, cu, co, T, H,
+                                                  **meta, HAS_DHT=dht is not None,
+                                                  STORE_DH0=h0 is not None, **c)
     dq = _empty(B, T, H, K, dtype=dt, device=dev)
     dk = _empty(B, T, H, K, dtype=dt, device=dev)
     dv = _empty(B, T, H, V, dtype=dt, device=dev)
@@ -630,37 +735,38 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht):
         dbp = _empty(B, T, H, NE, dtype=torch.float32, device=dev)
         dgp = _empty(B, T, H, NE, dtype=torch.float32, device=dev)
         _bwd_rows[(NC, H, NE)](q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve,
-                               dqp, dkp, dbp, dgp, scale, cu, ci, T, H, NE=NE, **meta,
-                               num_warps=4 if BK <= 64 else 8)
+                               dqp, dkp, dbp, dgp, scale, cu, ci, T, H, NE=NE, **meta, **cfg["bwd_rows"])
     else:
         dqp = dkp = dbp = dgp = dbeta  # GDN: no partials (NE = 0 never reads them)
     _bwd_local[(NC, H)](q, k, v, beta, gc, tinv, h, dh, u, du, do,
                         dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu, ci, T, H,
-                        NE=NE, **meta, num_warps=4 if BK <= 64 else 8)
+                        NE=NE, **meta, **cfg["bwd_local"])
     return dq, dk, dv, dg, dbeta, dke, dve, dh0
 
 
 class ChunkPrismFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state):
-        o, ht, saved = _fwd(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, ke, ve, initial_state, *saved)
-        ctx.scale = scale
+    def forward(ctx, q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens):
+        o, ht, saved, tables = _fwd(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state,
+                                    cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens, *saved)
+        ctx.scale, ctx.tables = scale, tables
         if ht is not None:
             return o, ht
         return o
 
     @staticmethod
     def backward(ctx, do, dht=None):
-        q, k, v, g, beta, ke, ve, h0, *saved = ctx.saved_tensors
+        q, k, v, g, beta, ke, ve, h0, cu_seqlens, *saved = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dke, dve, dh0 = _bwd(q, k, v, g, beta, ke, ve, ctx.scale, h0, saved,
                                                     do.contiguous(),
-                                                    None if dht is None else dht.contiguous())
-        return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dke, dve, None, dh0, None)
+                                                    None if dht is None else dht.contiguous(), cu_seqlens,
+                                                    ctx.tables)
+        return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dke, dve, None, dh0, None, None)
 
 
-def _check(q, k, v, g, beta, ke, ve, initial_state):
+def _check(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens):
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"chunk_prism: q and k must be [B,T,H,K] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, K = q.shape
@@ -681,19 +787,29 @@ def _check(q, k, v, g, beta, ke, ve, initial_state):
         if x.dtype not in _DOT_DTYPES:
             raise ValueError(f"chunk_prism: {name} must be float32, bfloat16 or float16, got {x.dtype} "
                              "(use model.delta_rule_chunk for float64)")
-    if initial_state is not None and initial_state.shape != (B, H, K, V):
-        raise ValueError(f"chunk_prism: initial_state must be [B,H,K,V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"chunk_prism: with cu_seqlens the sequences are packed along T and B must be 1, got B={B}")
+        N = cu_seqlens.numel() - 1 if isinstance(cu_seqlens, torch.Tensor) else -1
+    if initial_state is not None and initial_state.shape != (N, H, K, V):
+        raise ValueError(f"chunk_prism: initial_state must be [N,H,K,V] = {(N, H, K, V)} "
+                         f"(N = {'sequences in cu_seqlens' if cu_seqlens is not None else 'batch'}), "
+                         f"got {tuple(initial_state.shape)}")
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("chunk_prism: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
 
 
 def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                output_final_state=False):
+                output_final_state=False, cu_seqlens=None):
     """PRISM / gated delta rule, chunk-parallel Triton kernels; exact semantics of
     model.delta_rule_naive. q, k [B,T,H,K] (already l2-normalised), v [B,T,H,V], g [B,T,H]
     log-decay <= 0, beta [B,T,H], ke [B,T,H,L-1,K], ve [B,T,H,L-1,V] or None (GDN).
-    Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] float32 or None)."""
-    _check(q, k, v, g, beta, ke, ve, initial_state)
+    cu_seqlens (int32/int64 [N+1], 0 = start < ... < end = T): B == 1 and the inputs hold N
+    sequences back to back, each run from its own initial state (flash-linear-attention's
+    convention); no state or chunk crosses a boundary.
+    Returns (o [B,T,H,V] in v's dtype, final state [N,H,K,V] float32 or None), N = B or len(cu_seqlens)-1."""
+    _check(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens)
     if ke is not None and ke.shape[3] == 0:
         ke = ve = None
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -708,7 +824,7 @@ def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=No
         ke, ve = ke.to(dt).contiguous(), ve.to(dt).contiguous()
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
-    out = ChunkPrismFunction.apply(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state)
+    out = ChunkPrismFunction.apply(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens)
     o, ht = out if output_final_state else (out, None)
     return o.to(out_dtype), ht
 
@@ -745,113 +861,146 @@ def recurrent_prism_step(q, k, v, g, beta, ke=None, ve=None, scale=None, state=N
 # cuDNN's depthwise conv1d needs [B, C, T] (two transposed copies) and its backward is slow for
 # thousands of channels; this works on [B, T, C] directly, one read per tap from cache.
 
+@triton.jit
+def _conv_taps_ok(pos, o_t, T, s, VARLEN: tl.constexpr):
+    # rows o_t (absolute in [0, T)) whose tap s tokens back stays inside their own sequence
+    if VARLEN:
+        return (o_t < T) & (s <= tl.load(pos + o_t, mask=o_t < T, other=0))
+    else:
+        return (o_t < T) & (o_t >= s)
+
+
 @triton.jit(do_not_specialize=["T"])
-def _conv_fwd(x, w, y, T, C, W: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _conv_fwd(x, w, y, pos, T, C, W: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+              VARLEN: tl.constexpr):
+    # pos[t] = t - (start of t's sequence) for packed sequences: no tap reaches across a start
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = i_t * BT + tl.arange(0, BT)
+    o_r = tl.arange(0, BT)
+    o_t = i_t * BT + o_r
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    base = i_b.to(tl.int64) * T * C
+    base = (i_b.to(tl.int64) * T + i_t * BT) * C       # row i_t*BT of batch i_b, int64
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(W):
-        t_in = o_t - (W - 1) + j
-        m = ((t_in >= 0) & (t_in < T))[:, None] & m_c[None, :]
-        xj = tl.load(x + base + t_in[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
+        s = W - 1 - j
+        m = _conv_taps_ok(pos, o_t, T, s, VARLEN)[:, None] & m_c[None, :]
+        xj = tl.load(x + base + (o_r - s)[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
         wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
         acc += xj * wj[None, :]
     if ACT:
         acc = acc * tl.sigmoid(acc)
     m = (o_t < T)[:, None] & m_c[None, :]
-    tl.store(y + base + o_t[:, None] * C + o_c[None, :], acc.to(y.dtype.element_ty), mask=m)
+    tl.store(y + base + o_r[:, None] * C + o_c[None, :], acc.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_bwd_pre(x, w, dy, da, dw_part, T, C, NT, W: tl.constexpr, ACT: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr):
+def _conv_bwd_pre(x, w, dy, da, dw_part, pos, T, C, NT, W: tl.constexpr, ACT: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr):
     # da = dy * act'(pre-activation), recomputed here; dw partial sums per (batch, time block)
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = i_t * BT + tl.arange(0, BT)
+    o_r = tl.arange(0, BT)
+    o_t = i_t * BT + o_r
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    base = i_b.to(tl.int64) * T * C
+    base = (i_b.to(tl.int64) * T + i_t * BT) * C
     m_out = (o_t < T)[:, None] & m_c[None, :]
-    g = tl.load(dy + base + o_t[:, None] * C + o_c[None, :], mask=m_out, other=0.).to(tl.float32)
+    g = tl.load(dy + base + o_r[:, None] * C + o_c[None, :], mask=m_out, other=0.).to(tl.float32)
     if ACT:
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(W):
-            t_in = o_t - (W - 1) + j
-            m = ((t_in >= 0) & (t_in < T))[:, None] & m_c[None, :]
-            xj = tl.load(x + base + t_in[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
+            s = W - 1 - j
+            m = _conv_taps_ok(pos, o_t, T, s, VARLEN)[:, None] & m_c[None, :]
+            xj = tl.load(x + base + (o_r - s)[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
             wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
             acc += xj * wj[None, :]
-        s = tl.sigmoid(acc)
-        g = g * (s + acc * s * (1 - s))
-    tl.store(da + base + o_t[:, None] * C + o_c[None, :], g, mask=m_out)
+        sg = tl.sigmoid(acc)
+        g = g * (sg + acc * sg * (1 - sg))
+    tl.store(da + base + o_r[:, None] * C + o_c[None, :], g, mask=m_out)
     part = dw_part + (i_b.to(tl.int64) * NT + i_t) * C * W
     for j in tl.static_range(W):
-        t_in = o_t - (W - 1) + j
-        m = ((t_in >= 0) & (t_in < T))[:, None] & m_c[None, :]
-        xj = tl.load(x + base + t_in[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
+        s = W - 1 - j
+        m = _conv_taps_ok(pos, o_t, T, s, VARLEN)[:, None] & m_c[None, :]
+        xj = tl.load(x + base + (o_r - s)[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
         tl.store(part + o_c * W + j, tl.sum(g * xj, 0), mask=m_c)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_bwd_dx(da, w, dx, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    # dx[t] = sum_j w[j] da[t + (W-1) - j]
+def _conv_bwd_dx(da, w, dx, pos, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                 VARLEN: tl.constexpr):
+    # dx[t] = sum_j w[j] da[t + s], s = W-1-j, over the outputs t + s whose tap s reaches t
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = i_t * BT + tl.arange(0, BT)
+    o_r = tl.arange(0, BT)
+    o_t = i_t * BT + o_r
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    base = i_b.to(tl.int64) * T * C
+    base = (i_b.to(tl.int64) * T + i_t * BT) * C
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(W):
-        t_out = o_t + (W - 1) - j
-        m = (t_out < T)[:, None] & m_c[None, :]
-        gj = tl.load(da + base + t_out[:, None] * C + o_c[None, :], mask=m, other=0.)
+        s = W - 1 - j
+        m = _conv_taps_ok(pos, o_t + s, T, s, VARLEN)[:, None] & m_c[None, :]
+        gj = tl.load(da + base + (o_r + s)[:, None] * C + o_c[None, :], mask=m, other=0.)
         wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
         acc += gj * wj[None, :]
     m = (o_t < T)[:, None] & m_c[None, :]
-    tl.store(dx + base + o_t[:, None] * C + o_c[None, :], acc.to(dx.dtype.element_ty), mask=m)
+    tl.store(dx + base + o_r[:, None] * C + o_c[None, :], acc.to(dx.dtype.element_ty), mask=m)
 
 
 def _conv_blocks(T, C):
     return min(64, triton.next_power_of_2(T)), min(128, triton.next_power_of_2(C))
 
 
+def _conv_positions(cu_seqlens, T):
+    """Validated cu_seqlens -> pos[t] = t - start of t's sequence (int32 [T])."""
+    lens = _seq_lengths(cu_seqlens, T, "causal_conv").to(cu_seqlens.device)
+    starts = cu_seqlens[:-1].long().repeat_interleave(lens, output_size=T)
+    return (torch.arange(T, device=cu_seqlens.device) - starts).to(torch.int32)
+
+
 class CausalConvFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, w, act):
+    def forward(ctx, x, w, act, pos):
         B, T, C = x.shape
         W = w.shape[1]
         BT, BC = _conv_blocks(T, C)
         y = _empty(B, T, C, dtype=x.dtype, device=x.device)
-        _conv_fwd[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](x, w, y, T, C, W=W, ACT=act, BT=BT, BC=BC)
-        ctx.save_for_backward(x, w)
+        var = dict(VARLEN=pos is not None)
+        pos_ = x if pos is None else pos
+        _conv_fwd[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](x, w, y, pos_, T, C, W=W, ACT=act, BT=BT, BC=BC, **var)
+        ctx.save_for_backward(x, w, pos)
         ctx.act = act
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
+        x, w, pos = ctx.saved_tensors
         B, T, C = x.shape
         W = w.shape[1]
         BT, BC = _conv_blocks(T, C)
         NT = triton.cdiv(T, BT)
         grid = (NT, triton.cdiv(C, BC), B)
+        var = dict(VARLEN=pos is not None)
+        pos_ = x if pos is None else pos
         da = _empty(B, T, C, dtype=torch.float32, device=x.device)
         dw_part = _empty(B * NT, C, W, dtype=torch.float32, device=x.device)
-        _conv_bwd_pre[grid](x, w, dy.contiguous(), da, dw_part, T, C, NT, W=W, ACT=ctx.act, BT=BT, BC=BC)
+        _conv_bwd_pre[grid](x, w, dy.contiguous(), da, dw_part, pos_, T, C, NT, W=W, ACT=ctx.act, BT=BT, BC=BC, **var)
         dx = _empty(B, T, C, dtype=x.dtype, device=x.device)
-        _conv_bwd_dx[grid](da, w, dx, T, C, W=W, BT=BT, BC=BC)
-        return dx, dw_part.sum(0).to(w.dtype), None
+        _conv_bwd_dx[grid](da, w, dx, pos_, T, C, W=W, BT=BT, BC=BC, **var)
+        return dx, dw_part.sum(0).to(w.dtype), None, None
 
 
-def causal_conv(x, weight, silu=True):
+def causal_conv(x, weight, silu=True, cu_seqlens=None):
     """Causal depthwise conv of x [B,T,C] with weight [C,W] (tap W-1 is the current token),
-    optionally followed by SiLU; the semantics of model.ShortConv without a cache."""
+    optionally followed by SiLU; the semantics of model.ShortConv without a cache.
+    cu_seqlens (int32/int64 [N+1]): x is [1,T,C] holding N sequences back to back, and no tap
+    reaches across a sequence start (each sequence sees zeros before its first token)."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
         raise ValueError(f"causal_conv: x must be [B,T,C] and weight [C,W], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("causal_conv: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
-    return CausalConvFunction.apply(x.contiguous(), weight.contiguous(), bool(silu))
+    pos = None
+    if cu_seqlens is not None:
+        if x.shape[0] != 1:
+            raise ValueError(f"causal_conv: with cu_seqlens x must be [1,T,C] (sequences packed along T), got {tuple(x.shape)}")
+        pos = _conv_positions(cu_seqlens, x.shape[1])
+    return CausalConvFunction.apply(x.contiguous(), weight.contiguous(), bool(silu), pos)

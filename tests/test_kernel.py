@@ -169,6 +169,79 @@ def test_bad_inputs_raise():
 
 
 # ---------------------------------------------------------------------------------------------
+# packed sequences (cu_seqlens): the packed call == every sequence run alone
+
+def check_packed(lens, H, K, V, L, dtype, tol, seed, device=DEV):
+    """chunk_prism on N sequences packed into one row against N separate calls (each from its
+    own initial state): output, final states and every gradient (initial states included)."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    xs = make_inputs(1, T, H, K, V, L, device, gen=gen, h0=False)
+    s0 = (0.5 * torch.randn(len(lens), H, K, V, generator=gen)).to(device)
+    do = torch.randn(1, T, H, V, generator=gen).to(device)
+    dht = torch.randn(len(lens), H, K, V, generator=gen).to(device)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+    tag = f"packed lens={lens} H={H} K={K} V={V} L={L} {dtype} seed={seed}"
+
+    def run(ins, st, cu_seqlens, do_, dht_):
+        ins = [None if x is None else x.to(torch.float32 if i == 3 else dtype).detach().requires_grad_()
+               for i, x in enumerate(ins)]
+        st = st.detach().requires_grad_()
+        o, ht = chunk_prism(*ins, initial_state=st, output_final_state=True, cu_seqlens=cu_seqlens)
+        ((o.double() * do_).sum() + (ht.double() * dht_).sum()).backward()
+        return [o, ht] + [None if x is None else x.grad for x in ins] + [st.grad]
+
+    packed = run(xs[:7], s0, cu, do, dht)
+    alone = []
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        alone.append(run([None if x is None else x[:, a:b] for x in xs[:7]], s0[n:n + 1], None,
+                         do[:, a:b], dht[n:n + 1]))
+    for i, name in enumerate(NAMES):
+        if packed[i] is None:
+            assert all(r[i] is None for r in alone)
+            continue
+        cat_dim = 0 if name in ("final_state", "dh0") else 1
+        ref = torch.cat([r[i] for r in alone], cat_dim)
+        assert packed[i].shape == ref.shape, f"{tag} {name}: shape {tuple(packed[i].shape)} != {tuple(ref.shape)}"
+        assert torch.isfinite(packed[i]).all(), f"{tag} {name}: non-finite values"
+        e = rel_err(packed[i], ref)
+        assert e <= tol, f"{tag} {name}: packed vs alone rel. error {e:.1e} > {tol}"
+    # and the packed output against the float64 token loop, one sequence at a time
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_ref, s_ref = delta_rule_naive(*(None if x is None else x[:, a:b].to(dtype).double() for x in xs[:7]),
+                                        initial_state=s0[n:n + 1].double(), output_final_state=True)
+        e = max(rel_err(packed[0][:, a:b], o_ref), rel_err(packed[1][n:n + 1], s_ref))
+        assert e <= (1e-4 if dtype == torch.float32 else 2e-2), f"{tag}: sequence {n} vs naive {e:.1e}"
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_packed_equals_separate(L):
+    check_packed([1, 63, 64, 65, 130], 1, 16, 16, L, torch.float32, 1e-5, seed=20 + L)
+
+
+def test_packed_bad_cu_seqlens_raise():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g, beta, _, _, _ = make_inputs(1, 10, 1, 16, 16, 1, DEV, gen=gen, h0=False)
+    cu = lambda *c, dt=torch.int32: torch.tensor(c, dtype=dt, device=DEV)
+    for bad, msg in [(cu(1, 10), "start at 0"), (cu(0, 9), "end at T"), (cu(0, 5, 5, 10), "strictly increasing"),
+                     (cu(0, 7, 3, 10), "strictly increasing"), (cu(0, 10, dt=torch.float32), "int32/int64"),
+                     (cu(10), "1-D")]:
+        with pytest.raises(ValueError, match=msg):
+            chunk_prism(q, k, v, g, beta, cu_seqlens=bad)
+        with pytest.raises(ValueError, match=msg):
+            prism_kernel.causal_conv(v[0].reshape(1, 10, 16), torch.ones(16, 4, device=DEV), cu_seqlens=bad)
+    q2, k2, v2, g2, b2, _, _, _ = make_inputs(2, 10, 1, 16, 16, 1, DEV, gen=gen, h0=False)
+    with pytest.raises(ValueError, match="B must be 1"):
+        chunk_prism(q2, k2, v2, g2, b2, cu_seqlens=cu(0, 4, 10))
+    with pytest.raises(ValueError, match="initial_state must be"):
+        chunk_prism(q, k, v, g, beta, cu_seqlens=cu(0, 4, 10), initial_state=torch.zeros(1, 1, 16, 16, device=DEV))
+    # int64 tables work too, and a single sequence is the plain call
+    o1, s1 = chunk_prism(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu(0, 10, dt=torch.int64))
+    o2, s2 = chunk_prism(q, k, v, g, beta, output_final_state=True)
+    assert rel_err(o1, o2) < 1e-6 and rel_err(s1, s2) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU (H200): fresh inputs every run, buffers poisoned with NaN
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -377,6 +450,35 @@ def test_causal_conv_in_model_matches_torch_path():
     assert rel_err(conv(x, fused=True), conv(x)) < 1e-6
     cache = {}  # with a cache the torch path runs (it keeps the last inputs for decoding)
     assert torch.equal(conv(x, cache, "c", fused=True), conv(x, {}, "c"))
+
+
+def check_conv_packed(lens, C, W, silu, dtype, tol, seed, device=DEV):
+    """causal_conv on sequences packed into one row == each sequence alone: y, dx and dw."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    x = torch.randn(1, T, C, generator=gen).to(device, dtype)
+    w = (torch.randn(C, W, generator=gen) / W ** 0.5).to(device)
+    dy = torch.randn(1, T, C, generator=gen, dtype=torch.float64).to(device)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=device)
+
+    def run(xi, dyi, cu_seqlens):
+        xi, wi = xi.detach().requires_grad_(), w.detach().requires_grad_()
+        y = prism_kernel.causal_conv(xi, wi, silu, cu_seqlens=cu_seqlens)
+        (y.double() * dyi).sum().backward()
+        return y, xi.grad, wi.grad
+
+    y, dx, dw = run(x, dy, cu)
+    parts = [run(x[:, a:b], dy[:, a:b], None) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    ref = [torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), sum(p[2] for p in parts)]
+    for name, a, b in zip(("y", "dx", "dw"), (y, dx, dw), ref):
+        assert torch.isfinite(a).all(), f"packed conv {name}: non-finite (unwritten?)"
+        e = rel_err(a, b)
+        assert e <= tol, f"packed conv lens={lens} C={C} W={W} {dtype} seed={seed} {name}: rel err {e:.1e}"
+
+
+@pytest.mark.parametrize("silu", [True, False])
+def test_causal_conv_packed_equals_separate(silu):
+    check_conv_packed([1, 2, 3, 63, 64, 65, 130], 10, 4, silu, torch.float32, 1e-6, seed=5)
 
 
 @pytest.mark.gpu
