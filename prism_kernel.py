@@ -45,7 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 64
 # Debug: fill every buffer this module allocates with NaN before the kernels write it, so a
 # test can prove every element it reads back was written.
 POISON = os.environ.get("PRISM_KERNEL_POISON", "0") == "1"

@@ -67,8 +67,9 @@ def ptxas_report(compiled):
 
 def report(K, V, dtype, L, n_seq, kernels, ptxas):
     NE = L - 1
-    BK, cfg = pk.launch_config(K, V, dtype, NE, n_seq)
-    base = dict(K=K, V=V, NE=NE, BT=pk.CHUNK, BK=BK, F32=dtype == torch.float32,
+    BT, BK, cfg = pk.launch_config(K, V, dtype, NE, n_seq)
+    es = torch.tensor([], dtype=dtype).element_size()
+    base = dict(K=K, V=V, NE=NE, BT=BT, BK=BK, F32=dtype == torch.float32,
                 DT=pk._DOT_DTYPES[dtype], IS_VARLEN=False)
     worst = 0
     for name in kernels:
@@ -88,9 +89,11 @@ def report(K, V, dtype, L, n_seq, kernels, ptxas):
         if ptxas:
             regs, spill = ptxas_report(comp)
             extra = f" regs {regs:>3} spill {spill:>5} B"
+        est = pk.smem_estimate(name, BT, BK, c["BV"], es, NE, c["num_stages"])
         flag = "" if shared <= pk.SMEM_LIMIT else "  OVER THE LIMIT"
-        print(f"{TYPES[dtype]} K={K} V={V} L={L} {name:<13} BV={c['BV']:<3} warps={c['num_warps']} "
-              f"stages={c['num_stages']} shared {shared:>6} B{extra}{flag}", flush=True)
+        flag += "" if shared <= est else "  (estimate too low)"
+        print(f"{TYPES[dtype]} K={K} V={V} L={L} {name:<13} BT={BT} BV={c['BV']:<3} warps={c['num_warps']} "
+              f"stages={c['num_stages']} shared {shared:>6} B (estimate {est:>6}){extra}{flag}", flush=True)
     return worst
 
 

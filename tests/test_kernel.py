@@ -83,13 +83,14 @@ def compare(out, ref, tol, tag=""):
 
 def check_against_naive(B, T, H, K, V, L, dtype, tol, device=DEV, h0=True, g_range=(-3.0, 0.0), seed=None,
                         reference=delta_rule_naive):
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    seed = seed if seed is not None else torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
     xs = make_inputs(B, T, H, K, V, L, device, g_range=g_range, gen=gen, h0=h0)
     # the reference sees exactly the values the kernel sees (inputs rounded to dtype first)
     xr = [None if x is None else (x if i in (3, 7) else x.to(dtype)) for i, x in enumerate(xs)]
     ref = run_with_grads(reference, xr, torch.float64, 1)
     out = run_with_grads(chunk_prism, xr, dtype, 1)
-    return compare(out, ref, tol, tag=f"B={B} T={T} H={H} K={K} V={V} L={L} {dtype}")
+    return compare(out, ref, tol, tag=f"B={B} T={T} H={H} K={K} V={V} L={L} {dtype} seed={seed}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def test_extreme_decays_stay_finite():
         xs = make_inputs(1, 130, 1, 16, 16, 2, DEV, g_range=g_range, gen=gen)
         ref = run_with_grads(delta_rule_naive, xs, torch.float64, 2)
         out = run_with_grads(chunk_prism, xs, torch.float32, 2)
-        compare(out, ref, 1e-4, tag=f"g in {g_range}")
+        compare(out, ref, 1e-4, tag=f"g in {g_range} seed=3")
 
 
 def test_matches_chunk_backend_and_defaults():
@@ -266,12 +267,42 @@ def test_gpu_vs_naive(poisoned, T, L, dtype, tol, D):
     print(f"\nT={T} L={L} {dtype}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 
+# every dtype at every head shape (K, V in 64, 128, 256): 27 cases, L rotating through 1..4 so
+# each dtype meets every L and each head shape three (one specialisation set per case)
+GPU_DTYPES = [(torch.float32, 1e-4), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)]
+GPU_HEADS = [(K, V) for K in (64, 128, 256) for V in (64, 128, 256)]
+GPU_MATRIX = [(dt, tol, K, V, 1 + (i + j) % 4) for j, (dt, tol) in enumerate(GPU_DTYPES)
+              for i, (K, V) in enumerate(GPU_HEADS)]
+# (B, T, H, K, V, L, dtype name, with states, packed sequences or 0): what the gpu tests launch,
+# for bench_kernel.py --warm to compile in parallel (B*H or N*H matters: it sets the state BV)
+GPU_WARM = ([(2, 200, 2, K, V, L, str(dt).split(".")[1], True, 0) for dt, _, K, V, L in GPU_MATRIX]
+            + [(2, 100, 2, 64, 64, L, "float32", True, 0) for L in (1, 2, 3, 4)]
+            + [(2, 100, 2, 128, 128, L, "bfloat16", True, 0) for L in (1, 2, 3, 4)]
+            + [(1, 100, 1, 64, 64, 3, "float32", True, 0), (1, 100, 6, 128, 256, 3, "bfloat16", True, 0),
+               (2, 100, 4, 128, 128, 1, "bfloat16", True, 0)]
+            + [(1, 100, 2, K, V, L, str(dt).split(".")[1], True, 8) for dt, _, K, V, L in
+               [(torch.bfloat16, 0, 128, 256, 3), (torch.float32, 0, 64, 64, 1), (torch.float16, 0, 256, 128, 2)]]
+            + [(1, 100, 2, K, V, L, str(dt).split(".")[1], True, 0) for dt, _, K, V, L in
+               [(torch.bfloat16, 0, 128, 256, 3), (torch.float32, 0, 64, 64, 1), (torch.float16, 0, 256, 128, 2)]])
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("K,V,dtype,tol", [(128, 256, torch.bfloat16, 1e-2), (256, 256, torch.bfloat16, 1e-2)])
-def test_gpu_head_dims(poisoned, K, V, dtype, tol):
-    errs = check_against_naive(1, 300, 2, K, V, 3, dtype, tol)
-    print(f"\nK={K} V={V} {dtype}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+@pytest.mark.parametrize("dtype,tol,K,V,L", GPU_MATRIX,
+                         ids=[f"{str(c[0]).split('.')[1]}-K{c[2]}-V{c[3]}-L{c[4]}" for c in GPU_MATRIX])
+def test_gpu_head_dims(poisoned, dtype, tol, K, V, L):
+    # T = 200: three whole chunks of 64 and a partial one (six and a partial of 32)
+    errs = check_against_naive(2, 200, 2, K, V, L, dtype, tol)
+    print(f"\nK={K} V={V} L={L} {dtype}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,tol,K,V,L", [(torch.bfloat16, 1e-2, 128, 256, 3), (torch.float32, 1e-4, 64, 64, 1),
+                                             (torch.float16, 1e-2, 256, 128, 2)])
+def test_gpu_packed(poisoned, dtype, tol, K, V, L):
+    # documents of every awkward length, packed: equal to each run alone, and to the naive loop
+    check_packed([1, 63, 64, 65, 130, 1000, 2047, 333], 2, K, V, L, dtype, tol, seed=torch.seed() % 2**31)
 
 
 @pytest.mark.gpu
@@ -279,11 +310,12 @@ def test_gpu_head_dims(poisoned, K, V, dtype, tol):
 @pytest.mark.parametrize("g_range", [(-30.0, -10.0), (-1e-4, 0.0)])
 def test_gpu_long_sequence_extreme_decay(poisoned, g_range):
     # T = 65536: no NaN/Inf, and the chunk backend in float64 agrees
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
     xs = make_inputs(1, 65536, 1, 64, 64, 3, "cuda", g_range=g_range, gen=gen)
     ref = run_with_grads(delta_rule_chunk, xs, torch.float64, 3)
     out = run_with_grads(chunk_prism, xs, torch.float32, 3)
-    errs = compare(out, ref, 1e-4, tag=f"T=65536 g in {g_range}")
+    errs = compare(out, ref, 1e-4, tag=f"T=65536 g in {g_range} seed={seed}")
     print(f"\nT=65536 g in {g_range}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 
@@ -377,14 +409,15 @@ def test_gpu_million_tokens_int64_offsets():
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2)])
 def test_gpu_gdn_matches_fla(poisoned, dtype, tol):
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
     q, k, v, g, beta, _, _, s0 = make_inputs(2, 1000, 4, 128, 128, 1, "cuda", gen=gen)
     q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
     o, st = chunk_prism(q, k, v, g, beta, initial_state=s0, output_final_state=True)
     o_f, st_f = fla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True)
     e_o, e_s = rel_err(o, o_f), rel_err(st, st_f)
     print(f"\nvs fla {dtype}: o={e_o:.1e} state={e_s:.1e}")
-    assert e_o < tol and e_s < tol
+    assert e_o < tol and e_s < tol, f"vs fla {dtype} seed={seed}: o {e_o:.1e}, state {e_s:.1e}"
 
 
 @pytest.mark.parametrize("mixer", ["gdn", "prism"])
@@ -419,7 +452,8 @@ def conv_reference(x, w, silu):
 
 
 def check_conv(B, T, C, W, silu, dtype, tol, device=DEV):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, C, generator=gen).to(device, dtype)
     w = (torch.randn(C, W, generator=gen) / W ** 0.5).to(device)
     dy = torch.randn(B, T, C, generator=gen, dtype=torch.float64).to(device)
@@ -434,7 +468,7 @@ def check_conv(B, T, C, W, silu, dtype, tol, device=DEV):
         assert a.dtype == (dtype if name != "dw" else torch.float32)
         assert torch.isfinite(a).all(), f"conv {name}: non-finite (unwritten?)"
         e = rel_err(a, b)
-        assert e <= tol, f"conv B={B} T={T} C={C} W={W} silu={silu} {dtype} {name}: rel err {e:.1e}"
+        assert e <= tol, f"conv B={B} T={T} C={C} W={W} silu={silu} {dtype} seed={seed} {name}: rel err {e:.1e}"
 
 
 @pytest.mark.parametrize("T,C,W,silu", [(37, 10, 4, True), (5, 3, 4, False), (70, 130, 3, True)])
@@ -487,3 +521,4 @@ def test_causal_conv_packed_equals_separate(silu):
 def test_gpu_causal_conv(poisoned, dtype, tol):
     check_conv(3, 2500, 3072, 4, True, dtype, tol)
     check_conv(1, 100, 768, 4, False, dtype, tol)
+    check_conv_packed([1, 3, 64, 1000, 2047, 777], 3072, 4, True, dtype, tol, seed=torch.seed() % 2**31)
