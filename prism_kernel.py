@@ -1,42 +1,51 @@
 """
 Triton kernels for the PRISM recurrence: the gated delta rule plus L-1 extra rank-1 writes
-per token (PRISM_SPEC.md §3), forward and backward, chunk-parallel with chunks of C = 64.
+per token (PRISM_SPEC.md §3), forward and backward, chunk-parallel (chunks of C = 64 tokens;
+32 for float32 at K = 256), fixed-length batches or packed sequences (cu_seqlens).
 
     S_t = exp(g_t) S_{t-1};  u_t = beta_t (v_t - S_t^T k_t);  S_t += k_t u_t^T + sum_l ke_tl ve_tl^T
     o_t = S_t^T (scale q_t)
 
 Entry points:
     chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                output_final_state=False) -> (o, final_state)        # autograd-aware
+                output_final_state=False, cu_seqlens=None) -> (o, final_state)   # autograd-aware
     recurrent_prism_step(q, k, v, g, beta, ke, ve, scale, state) -> (o, new_state)   # decoding
-    causal_conv(x, weight, silu=True) -> y                # the layers' short conv, autograd-aware
+    causal_conv(x, weight, silu=True, cu_seqlens=None) -> y   # the layers' short conv, autograd-aware
 
 Per chunk (local positions t, i; G = in-chunk cumulative log-decay; Gam[t,i] = exp(G_t - G_i)):
     A  = diag(beta) (Gam * strict_tril(K K^T)),   E_l = Gam * strict_tril(K Ke_l^T)
     Tm = (I + A)^-1                                 (forward substitution, C x C)
     W  = Tm diag(beta exp(G)) K,   U' = Tm diag(beta) (V - sum_l E_l Ve_l)
+    R  = sum_l Ke_l^T diag(exp(G_C - G)) Ve_l       (the rows' own state term: no S0 in it)
     U  = U' - W S0                                  (in the sequential state pass)
     O  = scale [diag(exp G) Q S0 + (Gam * tril(Q K^T)) U + sum_l (Gam * tril(Q Ke_l^T)) Ve_l]
-    S' = exp(G_C) S0 + [K; Ke]^T diag(exp(G_C - G)) [U; Ve]
+    S' = exp(G_C) S0 + K^T diag(exp(G_C - G)) U + R
 Every decay is exp of a difference of in-chunk cumulative log-decays with the later index
 first, so it lies in [0, 1]: no overflow for any T and any decay (masked entries are zeroed
 before exp). The injected rows write without erasing, so the triangular solve stays C x C.
 
-Kernels (grid in brackets; NT chunks, NV value blocks, BH = batch*heads):
-  forward:  _fwd_prep [NT, BH]  -> G, Tm, W, U'       _fwd_state [NV, BH] -> h (chunk states), U
-            _fwd_out [NV, NT, BH] -> O
-  backward: _bwd_dv_local [NV, NT, BH] -> scale P^T dO   _bwd_state [NV, BH] -> dh (reverse), dU, dS0
-            _bwd_rows [NT, BH, L-1] -> dke, dve and float32 partials of dq, dk, dbeta, dg
-                                        (one injected row per program)
-            _bwd_local [NT, BH] -> dq, dk, dv, dbeta, dg (GDN's chunk-local terms + the partials)
-The injected rows get programs of their own because holding their terms and GDN's in one
-program spilled registers in proportion to L (bench/KERNEL_NOTES.md, version 3).
+Kernels (grid in brackets; NC chunks over all sequences, NV value blocks, N sequences, H heads):
+  forward:  _fwd_prep [NC, H] -> G, Tm, W, U', R    _fwd_state [NV, N*H] -> h (chunk states), U
+            _fwd_out [NV, NC, H] -> O
+  backward: _bwd_dv_local [NV, NC, H] -> scale P^T dO   _bwd_state [NV, N*H] -> dh (reverse), dU, dS0
+            _bwd_rows [NC, H, L-1] -> dke, dve and float32 partials of dq, dk, dbeta, dg
+                                      (one injected row per program)
+            _bwd_local [NC, H] -> dq, dk, dv, dbeta, dg (GDN's chunk-local terms + the partials)
+The sequential passes do the same work at every L (R comes precomputed; the backward state
+pass never sees the rows). The injected rows' backward has programs of its own because holding
+their terms and GDN's in one program spilled registers in proportion to L.
+Packed sequences: every sequence starts a new chunk (chunk_indices maps a chunk program to its
+sequence and chunk); the state passes run one program per sequence, head and value block.
+All loads are plain pointer arithmetic with masks (no block pointers: Triton 3.6 to 3.9), and
+every offset that is a product of sizes is int64. launch_config holds every block size, warp
+count and pipeline depth (bench/KERNEL_NOTES.md: the rules and their shared-memory estimates).
 The backward is derived by hand (see _bwd_local's comments); tests/test_kernel.py checks every
 gradient against autograd through the float64 token-by-token recurrence.
 
 Precision: the state and all accumulators are float32. float32 inputs use tf32x3 dot
-products (about float32 accuracy on the tensor cores); bf16/fp16 inputs feed the tensor cores in their own dtype (like
-flash-linear-attention), the saved chunk states h and pseudo-values U are kept in that dtype.
+products (about float32 accuracy on the tensor cores); bf16/fp16 inputs feed the tensor cores
+in their own dtype (like flash-linear-attention), the saved chunk states h and pseudo-values U
+are kept in that dtype.
 """
 import math
 import os
@@ -145,23 +154,23 @@ def _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: 
 # gc [NC,H,BT] float32, tinv [NC,H,BT,BT], h and dh [NC,H,K,V]. Every product that can pass
 # 2^31 (token * H * D, ch * K * V) is formed in int64.
 
-@triton.jit(do_not_specialize=["T", "H"])
-def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, hr, cu_seqlens, chunk_indices, T, H,
+@triton.jit(do_not_specialize=["T"])
+def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, hr, cu_seqlens, chunk_indices, T, H: tl.constexpr,
               K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     t0 = bos + i_t * BT
-    nt = eos - t0
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
     ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
     # in-chunk cumulative log-decay; padded tokens have g = 0, so G stays at its last value
-    b_g = tl.load(g + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_g = tl.load(g + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
     b_gc = tl.cumsum(b_g, axis=0)
     tl.store(gc + ch * BT + o_t, b_gc)
-    b_beta = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
     p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
     b_k = tl.load(p_k, mask=m_k, other=0.)
     gam_s, _ = _decay_masks(b_gc, BT)
@@ -205,8 +214,8 @@ def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, hr, cu_seqlens, chunk_indic
             tl.store(p_r, b_r.to(p_r.dtype.element_ty), mask=m_r)
 
 
-@triton.jit(do_not_specialize=["T", "H"])
-def _fwd_state(k, w, u, gc, hr, h, h0, ht, cu_seqlens, chunk_offsets, T, H,
+@triton.jit(do_not_specialize=["T"])
+def _fwd_state(k, w, u, gc, hr, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                F32: tl.constexpr, DT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
@@ -226,7 +235,7 @@ def _fwd_state(k, w, u, gc, hr, h, h0, ht, cu_seqlens, chunk_offsets, T, H,
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_t in range(tl.cdiv(eos - bos, BT)):
         t0 = bos + i_t * BT
-        nt = eos - t0
+        nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
         ch = (boc + i_t) * H + i_h
         p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
@@ -248,15 +257,15 @@ def _fwd_state(k, w, u, gc, hr, h, h0, ht, cu_seqlens, chunk_offsets, T, H,
         tl.store(p_ht, b_h, mask=m_h)
 
 
-@triton.jit(do_not_specialize=["T", "H"])
-def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, cu_seqlens, chunk_indices, T, H,
+@triton.jit(do_not_specialize=["T"])
+def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, cu_seqlens, chunk_indices, T, H: tl.constexpr,
              K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     t0 = bos + i_t * BT
-    nt = eos - t0
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
     ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
     b_gc = tl.load(gc + ch * BT + o_t)
@@ -286,8 +295,8 @@ def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, cu_seqlens, chunk_indices, T, H,
 # ----------------------------------------------------------------------------------------------
 # backward
 
-@triton.jit(do_not_specialize=["T", "H"])
-def _bwd_dv_local(q, k, gc, do, du, scale, cu_seqlens, chunk_indices, T, H,
+@triton.jit(do_not_specialize=["T"])
+def _bwd_dv_local(q, k, gc, do, du, scale, cu_seqlens, chunk_indices, T, H: tl.constexpr,
                   K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -295,7 +304,7 @@ def _bwd_dv_local(q, k, gc, do, du, scale, cu_seqlens, chunk_indices, T, H,
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     t0 = bos + i_t * BT
-    nt = eos - t0
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
     ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
     b_gc = tl.load(gc + ch * BT + o_t)
@@ -312,8 +321,8 @@ def _bwd_dv_local(q, k, gc, do, du, scale, cu_seqlens, chunk_indices, T, H,
     tl.store(p_du, b_du.to(p_du.dtype.element_ty), mask=m_v)
 
 
-@triton.jit(do_not_specialize=["T", "H"])
-def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offsets, T, H,
+@triton.jit(do_not_specialize=["T"])
+def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                F32: tl.constexpr, DT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
@@ -333,7 +342,7 @@ def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offse
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     for i_t in range(tl.cdiv(eos - bos, BT) - 1, -1, -1):
         t0 = bos + i_t * BT
-        nt = eos - t0
+        nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
         ch = (boc + i_t) * H + i_h
         p_dh, m_h = _tile(dh, ch * K * V, V, K, i_v * BV, V, BK, BV)
         tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), mask=m_h)
@@ -358,9 +367,9 @@ def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offse
         tl.store(p_dh0, b_dh, mask=m_h)
 
 
-@triton.jit(do_not_specialize=["T", "H"])
+@triton.jit(do_not_specialize=["T"])
 def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
-               dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu_seqlens, chunk_indices, T, H,
+               dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu_seqlens, chunk_indices, T, H: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -377,7 +386,7 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     t0 = bos + i_t * BT
-    nt = eos - t0
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
     ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
@@ -388,7 +397,7 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     b_gl = tl.load(gc + ch * BT + BT - 1)
     e_g = tl.exp(b_gc)
     e_end = tl.exp(b_gl - b_gc)
-    b_beta = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
     p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
     p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
     p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
@@ -410,7 +419,7 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     for l in tl.static_range(NE):
         p_dkp = _ptrs(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
         b_dk += tl.load(p_dkp, mask=m_k, other=0.)
-        b_db += tl.load(dbp + ((t0 + o_t) * H + i_h) * NE + l, mask=m_t, other=0.)
+        b_db += tl.load(dbp + (t0 * H + i_h) * NE + l + o_t * (H * NE), mask=m_t, other=0.)
     for i_v in range(tl.cdiv(V, BV)):
         p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
         p_u = _ptrs(u, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
@@ -465,18 +474,180 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     for l in tl.static_range(NE):
         p_dqp = _ptrs(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
         b_dq += tl.load(p_dqp, mask=m_k, other=0.)
-        b_dg += tl.load(dgp + ((t0 + o_t) * H + i_h) * NE + l, mask=m_t, other=0.)
+        b_dg += tl.load(dgp + (t0 * H + i_h) * NE + l + o_t * (H * NE), mask=m_t, other=0.)
     p_dq = _ptrs(dq, (t0 * H + i_h) * K, H * K, 0, BT, BK)
     p_dk = _ptrs(dk, (t0 * H + i_h) * K, H * K, 0, BT, BK)
     tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_k)
     tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_k)
-    tl.store(dbeta + (t0 + o_t) * H + i_h, b_db, mask=m_t)
-    tl.store(dg + (t0 + o_t) * H + i_h, b_dg, mask=m_t)
+    tl.store(dbeta + t0 * H + i_h + o_t * H, b_db, mask=m_t)
+    tl.store(dg + t0 * H + i_h + o_t * H, b_dg, mask=m_t)
 
 
-@triton.jit(do_not_specialize=["T", "H"])
+@triton.jit(do_not_specialize=["T"])
+def _bwd_local_cc(q, k, v, beta, gc, tinv, h, dh, u, du, do, dv, dbeta, dg, dbp, dgp, mm, scale,
+                  cu_seqlens, chunk_indices, T, H: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # _bwd_local with K in blocks of BK < K, first half: the per-token and C x C terms (dv, dbeta
+    # and dg complete), every contraction over K summed block by block, so no [C, K] accumulator
+    # lives anywhere. M = diag(b) Gam_s * dA and dPs = scale Gam_c * tril(dO U^T) go to mm for
+    # _bwd_local_dqk. Same algebra as _bwd_local (see its comments).
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = (eos - t0).to(tl.int32)
+    ch = i_c.to(tl.int64) * H + i_h
+    o_t = tl.arange(0, BT)
+    m_t = o_t < nt
+    m_s = o_t[:, None] > o_t[None, :]
+    m_c = o_t[:, None] >= o_t[None, :]
+    last = o_t == BT - 1
+    b_gc = tl.load(gc + ch * BT + o_t)
+    b_gl = tl.load(gc + ch * BT + BT - 1)
+    e_g = tl.exp(b_gc)
+    e_end = tl.exp(b_gl - b_gc)
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
+    b_Tt = tl.trans(tl.load(p_T))
+    s_dk = -b_beta * e_g
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dgc = tl.zeros([BT], dtype=tl.float32)
+    b_x = tl.zeros([BT], dtype=tl.float32)
+    b_sc = tl.zeros([BV], dtype=tl.float32)
+    for l in tl.static_range(NE):
+        b_db += tl.load(dbp + (t0 * H + i_h) * NE + l + o_t * (H * NE), mask=m_t, other=0.)
+    for i_v in range(tl.cdiv(V, BV)):
+        p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_u = _ptrs(u, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_do = _ptrs(do, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_v = _ptrs(v, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        b_du = tl.load(p_du, mask=m_v, other=0.)
+        b_u = tl.load(p_u, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_dr = _dot(b_Tt, b_du, F32, DT)
+        p_dv = _ptrs(dv, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        tl.store(p_dv, (b_dr * b_beta[:, None]).to(p_dv.dtype.element_ty), mask=m_v)
+        b_ks = tl.zeros([BT, BV], dtype=tl.float32)    # K S0, Q S0, K dS over this value block
+        b_qh = tl.zeros([BT, BV], dtype=tl.float32)
+        b_kdh = tl.zeros([BT, BV], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, i_k * BK, K, BT, BK)
+            p_q = _ptrs(q, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+            p_h, m_h = _tile(h, ch * K * V + i_k * BK * V, V, K - i_k * BK, i_v * BV, V, BK, BV)
+            p_dh = _ptrs(dh, ch * K * V + i_k * BK * V, V, i_v * BV, BK, BV)
+            b_k = tl.load(p_k, mask=m_k, other=0.)
+            b_q = tl.load(p_q, mask=m_k, other=0.)
+            b_h = tl.load(p_h, mask=m_h, other=0.)
+            b_dh = tl.load(p_dh, mask=m_h, other=0.)
+            b_ks += _dot(b_k, b_h, F32, DT)
+            b_qh += _dot(b_q, b_h, F32, DT)
+            b_kdh += _dot(b_k, b_dh, F32, DT)
+            b_sc += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), axis=0)
+        b_db += tl.sum(b_dr * (tl.load(p_v, mask=m_v, other=0.).to(tl.float32) - e_g[:, None] * b_ks), axis=1)
+        b_dgc += tl.sum(b_dr * b_ks, axis=1) * s_dk
+        b_dgc += tl.sum(b_do.to(tl.float32) * b_qh, axis=1) * (scale * e_g)
+        b_x += tl.sum(b_u.to(tl.float32) * b_kdh, axis=1)
+        b_dA += _dot(b_dr, tl.trans(b_u), F32, DT)
+        b_dP += _dot(b_do, tl.trans(b_u), F32, DT)
+    gam_s, gam_c = _decay_masks(b_gc, BT)
+    b_Ds = tl.where(last[:, None], (e_end * b_x)[None, :], 0.)
+    b_dgc += tl.where(last, tl.exp(b_gl) * tl.sum(b_sc), 0.)
+    b_Araw = tl.zeros([BT, BT], dtype=tl.float32)      # K K^T and Q K^T, block by block
+    b_QK = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, i_k * BK, K, BT, BK)
+        p_q = _ptrs(q, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_q = tl.load(p_q, mask=m_k, other=0.)
+        b_Araw += _dot(b_k, tl.trans(b_k), F32, DT)
+        b_QK += _dot(b_q, tl.trans(b_k), F32, DT)
+    b_Araw = b_Araw * gam_s
+    b_dA = -tl.where(m_s, b_dA, 0.)
+    b_db += tl.sum(b_dA * b_Araw, axis=1)
+    b_Ds += b_dA * b_Araw * b_beta[:, None]
+    b_M = b_dA * gam_s * b_beta[:, None]
+    b_dPs = tl.where(m_c, b_dP, 0.) * gam_c * scale
+    b_Ds += b_dPs * b_QK
+    b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], b_dgc[None, :], 0.), axis=1)
+    b_Ds = tl.where(m_s, b_Ds, 0.)
+    b_Y = tl.dot(tl.where(o_t[None, :] >= o_t[:, None], 1., 0.), b_Ds, input_precision="tf32x3")
+    b_dg += tl.sum(tl.where(o_t[None, :] < o_t[:, None], b_Y, 0.), axis=1)
+    for l in tl.static_range(NE):
+        b_dg += tl.load(dgp + (t0 * H + i_h) * NE + l + o_t * (H * NE), mask=m_t, other=0.)
+    p_m = _ptrs(mm, ch * 2 * BT * BT, BT, 0, BT, BT)
+    tl.store(p_m, b_M.to(p_m.dtype.element_ty))
+    tl.store(p_m + BT * BT, b_dPs.to(p_m.dtype.element_ty))
+    tl.store(dbeta + t0 * H + i_h + o_t * H, b_db, mask=m_t)
+    tl.store(dg + t0 * H + i_h + o_t * H, b_dg, mask=m_t)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bwd_local_dqk(q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk, dqp, dkp, scale,
+                   cu_seqlens, chunk_indices, T, H: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # second half: dq, dk for key block i_k (grid [NK, NC, H]), [C, BK] accumulators only
+    i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = (eos - t0).to(tl.int32)
+    ch = i_c.to(tl.int64) * H + i_h
+    o_t = tl.arange(0, BT)
+    m_t = o_t < nt
+    b_gc = tl.load(gc + ch * BT + o_t)
+    b_gl = tl.load(gc + ch * BT + BT - 1)
+    e_g = tl.exp(b_gc)
+    e_end = tl.exp(b_gl - b_gc)
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
+    b_Tt = tl.trans(tl.load(p_T))
+    s_dk = -b_beta * e_g
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, i_k * BK, K, BT, BK)
+    for l in tl.static_range(NE):
+        p_dkp = _ptrs(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, i_k * BK, BT, BK)
+        b_dk += tl.load(p_dkp, mask=m_k, other=0.)
+    for i_v in range(tl.cdiv(V, BV)):
+        p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_u = _ptrs(u, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_do = _ptrs(do, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_h, m_h = _tile(h, ch * K * V + i_k * BK * V, V, K - i_k * BK, i_v * BV, V, BK, BV)
+        p_dh = _ptrs(dh, ch * K * V + i_k * BK * V, V, i_v * BV, BK, BV)
+        b_du = tl.load(p_du, mask=m_v, other=0.)
+        b_u = tl.load(p_u, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        b_dh = tl.load(p_dh, mask=m_h, other=0.)
+        b_dr = _dot(b_Tt, b_du, F32, DT)
+        b_dq += _dot(b_do, tl.trans(b_h), F32, DT)
+        b_dk += _dot(b_dr * s_dk[:, None], tl.trans(b_h), F32, DT)
+        b_dk += _dot(b_u.to(tl.float32) * e_end[:, None], tl.trans(b_dh), F32, DT)
+    b_dq = b_dq * (scale * e_g)[:, None]
+    p_m = _ptrs(mm, ch * 2 * BT * BT, BT, 0, BT, BT)
+    b_M = tl.load(p_m)
+    b_dPs = tl.load(p_m + BT * BT)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    p_q = _ptrs(q, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_dk += _dot(b_M, b_k, F32, DT) + _dot(tl.trans(b_M), b_k, F32, DT) + _dot(tl.trans(b_dPs), b_q, F32, DT)
+    b_dq += _dot(b_dPs, b_k, F32, DT)
+    for l in tl.static_range(NE):
+        p_dqp = _ptrs(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, i_k * BK, BT, BK)
+        b_dq += tl.load(p_dqp, mask=m_k, other=0.)
+    p_dq = _ptrs(dq, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+    p_dk = _ptrs(dk, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_k)
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_k)
+
+
+@triton.jit(do_not_specialize=["T"])
 def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp, dgp, scale,
-              cu_seqlens, chunk_indices, T, H,
+              cu_seqlens, chunk_indices, T, H: tl.constexpr,
               K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -487,7 +658,7 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     i_c, i_h, l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     t0 = bos + i_t * BT
-    nt = eos - t0
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
     ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
@@ -497,7 +668,7 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     b_gc = tl.load(gc + ch * BT + o_t)
     b_gl = tl.load(gc + ch * BT + BT - 1)
     e_end = tl.exp(b_gl - b_gc)
-    b_beta = tl.load(beta + (t0 + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
     p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
     p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
     p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
@@ -554,8 +725,8 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     p_dkp = _ptrs(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
     tl.store(p_dqp, b_dq, mask=m_k)
     tl.store(p_dkp, b_dk, mask=m_k)
-    tl.store(dbp + ((t0 + o_t) * H + i_h) * NE + l, b_db, mask=m_t)
-    tl.store(dgp + ((t0 + o_t) * H + i_h) * NE + l, b_dg, mask=m_t)
+    tl.store(dbp + (t0 * H + i_h) * NE + l + o_t * (H * NE), b_db, mask=m_t)
+    tl.store(dgp + (t0 * H + i_h) * NE + l + o_t * (H * NE), b_dg, mask=m_t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -595,6 +766,8 @@ def smem_estimate(name, BT, BK, BV, es, NE, stages):
         "bwd_state": (3 * tk + 2 * tv, BK * BV * 4),
         "bwd_rows": (3 * tv + hk, 3 * tk + cc + 2 * BT * BT * 4),
         "bwd_local": (4 * tv + 2 * hk, 2 * tk + cc + 2 * BT * BT * 4),
+        "bwd_local_cc": (4 * tv + 2 * tk + 2 * hk, cc + 4 * BT * BT * 4),
+        "bwd_local_dqk": (3 * tv + 2 * hk, 2 * tk + 3 * cc),
     }[name]
     return stages * loop + fixed
 
@@ -616,6 +789,11 @@ def launch_config(K, V, dtype, NE, n_seq):
     state_bv = min(Vp, ov.get("state_bv", 32 if n_seq * triton.cdiv(V, 32) >= 132 else 16))
     bv = min(Vp, ov.get("bv", 32))
     wide = 4 if BK <= 64 else 8
+    # the local backward in one kernel holds dq, dk ([BT, K] float32) across its value loop: it
+    # spills ~0.9 KB/thread at K = 128 and ~2.7 KB at K = 256 (bf16, sm_90). With local_bk < K it
+    # runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk; like fla's dq/dk
+    # kernel), at the price of reading dU, U, dO, h and dh once more.
+    local_bk = min(BK, ov.get("local_bk", BK if BK <= 128 else 64))
     cfg = dict(
         fwd_prep=dict(BV=bv, num_warps=8),
         fwd_state=dict(BV=state_bv, num_warps=4),
@@ -624,11 +802,17 @@ def launch_config(K, V, dtype, NE, n_seq):
         bwd_state=dict(BV=state_bv, num_warps=8),
         bwd_rows=dict(BV=bv, num_warps=wide),
         bwd_local=dict(BV=bv, num_warps=wide),
+        bwd_local_cc=dict(BV=min(Vp, ov.get("bv", 16)), BK=local_bk, num_warps=8),
+        bwd_local_dqk=dict(BV=bv, BK=local_bk, num_warps=8),
     )
+    if local_bk == BK:
+        del cfg["bwd_local_cc"], cfg["bwd_local_dqk"]
+    else:
+        del cfg["bwd_local"]
     # the deepest software pipeline (3, 2 or 1 copies of the loop's tiles) that fits with a margin
     for name, c in cfg.items():
         c["num_stages"] = ov.get("stages", next(
-            (s for s in (3, 2) if smem_estimate(name, BT, BK, c["BV"], es, NE, s) <= 0.9 * SMEM_LIMIT), 1))
+            (s for s in (3, 2) if smem_estimate(name, BT, c.get("BK", BK), c["BV"], es, NE, s) <= 0.9 * SMEM_LIMIT), 1))
     return BT, BK, cfg
 
 
@@ -737,9 +921,19 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables
                                dqp, dkp, dbp, dgp, scale, cu, ci, T, H, NE=NE, **meta, **cfg["bwd_rows"])
     else:
         dqp = dkp = dbp = dgp = dbeta  # GDN: no partials (NE = 0 never reads them)
-    _bwd_local[(NC, H)](q, k, v, beta, gc, tinv, h, dh, u, du, do,
-                        dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu, ci, T, H,
-                        NE=NE, **meta, **cfg["bwd_local"])
+    if "bwd_local" in cfg:
+        _bwd_local[(NC, H)](q, k, v, beta, gc, tinv, h, dh, u, du, do,
+                            dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu, ci, T, H,
+                            NE=NE, **meta, **cfg["bwd_local"])
+    else:   # K in blocks: C x C terms first, then dq, dk per key block
+        mm = _empty(NC, H, 2, meta["BT"], meta["BT"], dtype=dt, device=dev)
+        m = dict(meta, BK=cfg["bwd_local_cc"]["BK"])
+        c = {n: x for n, x in cfg["bwd_local_cc"].items() if n != "BK"}
+        _bwd_local_cc[(NC, H)](q, k, v, beta, gc, tinv, h, dh, u, du, do, dv, dbeta, dg, dbp, dgp, mm, scale,
+                               cu, ci, T, H, NE=NE, **m, **c)
+        c = {n: x for n, x in cfg["bwd_local_dqk"].items() if n != "BK"}
+        _bwd_local_dqk[(triton.cdiv(K, m["BK"]), NC, H)](q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk,
+                                                          dqp, dkp, scale, cu, ci, T, H, NE=NE, **m, **c)
     return dq, dk, dv, dg, dbeta, dke, dve, dh0
 
 

@@ -4,8 +4,10 @@ chunk_gated_delta_rule in the same run: forward and forward+backward time (do_be
 activation memory (held between forward and backward) and peak memory of forward+backward;
 then packed documents (cu_seqlens) against the same tokens as fixed-length rows.
 
-    python bench/bench_kernel.py                 # the table, the targets, $OUT/kernel_bench.json
+    python bench/bench_kernel.py                 # the table (default launch choices and the
+                                                 # local_bk=64 variant), targets, kernel_bench.json
     python bench/bench_kernel.py --bv 16,32,64   # also sweep the state passes' value block
+    python bench/bench_kernel.py --configs bv=64 state_bv=16,stages=2   # any launch_config overrides
     python bench/bench_kernel.py --profile       # per-kernel times (first shape, fla, L=1, L=3)
     python bench/bench_kernel.py --warm          # compile every kernel variant the GPU tests and
                                                  # this bench launch, in parallel processes
@@ -126,22 +128,23 @@ def profile_kernels(fn, xs, do, steps=5):
 # ----------------------------------------------------------------------------------------------
 # --warm: compile in parallel processes (Triton's disk cache keeps the results)
 
-def warm_specs(shapes, Ls):
-    """(B, T, H, K, V, L, dtype, with states, packed sequences or 0) for every launch variant of
-    the GPU tests and of this bench. B*H (N*H packed) matters: it sets the state passes' BV."""
+def warm_specs(shapes, Ls, configs):
+    """(B, T, H, K, V, L, dtype, with states, packed sequences or 0, overrides) for every launch
+    variant of the GPU tests and of this bench. B*H (N*H packed) matters: it sets the state BV."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_kernel import GPU_WARM
-    specs = list(GPU_WARM)
+    specs = [s + ("",) for s in GPU_WARM]
     for B, _, H, K in shapes:
-        specs += [(B, 100, H, K, K, L, "bfloat16", False, 0) for L in Ls]
+        specs += [(B, 100, H, K, K, L, "bfloat16", False, 0, c) for L in Ls for c in [""] + configs]
     n_docs = len(doc_lengths(PACKED_ROWS * PACKED_T))
-    specs += [(PACKED_ROWS, 100, 6, 128, 128, L, "bfloat16", False, 0) for L in (1, 3)]
-    specs += [(1, 100, 6, 128, 128, L, "bfloat16", False, min(n_docs, 100)) for L in (1, 3)]
+    specs += [(PACKED_ROWS, 100, 6, 128, 128, L, "bfloat16", False, 0, "") for L in (1, 3)]
+    specs += [(1, 100, 6, 128, 128, L, "bfloat16", False, min(n_docs, 100), "") for L in (1, 3)]
     return sorted(set(specs))
 
 
 def _warm_one(spec):
-    B, T, H, K, V, L, dtype, st, n_docs = spec
+    B, T, H, K, V, L, dtype, st, n_docs, overrides = spec
+    prism_kernel.OVERRIDES.update({k: int(v) for k, v in (kv.split("=") for kv in overrides.split(",") if kv)})
     t0 = time.time()
     try:
         xs = make(B, T, H, K, V, L, dtype=getattr(torch, dtype))
@@ -159,9 +162,9 @@ def _warm_one(spec):
         return f"{spec}: FAILED {type(e).__name__}: {str(e)[:300]}"
 
 
-def warm(shapes, Ls):
+def warm(shapes, Ls, configs):
     import multiprocessing as mp
-    specs = warm_specs(shapes, Ls)
+    specs = warm_specs(shapes, Ls, configs)
     t0 = time.time()
     with mp.get_context("spawn").Pool(min(len(specs), os.cpu_count() or 4)) as pool:
         for line in pool.imap_unordered(_warm_one, specs):
@@ -185,6 +188,10 @@ def main():
     ap.add_argument("--L", default="1,2,3,4")
     ap.add_argument("--bv", default="", help="state-pass value blocks to sweep, e.g. 16,32,64 "
                                              "(default: launch_config's choice only)")
+    ap.add_argument("--configs", nargs="*", default=["local_bk=64"],
+                    help="further launch_config overrides to time beside the default, e.g. 'bv=64' "
+                         "'state_bv=16,stages=2' (default: local_bk=64, the local backward in key "
+                         "blocks; pass --configs with nothing after it for none)")
     ap.add_argument("--no-packed", action="store_true", help="skip the packed-documents rows")
     ap.add_argument("--profile", action="store_true", help="per-kernel times for L=1, L=3 and fla")
     ap.add_argument("--warm", action="store_true", help="only compile the kernel variants, in parallel")
@@ -194,7 +201,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_kernel.py needs a CUDA GPU")
     if args.warm:
-        return warm(shapes, Ls)
+        return warm(shapes, Ls, args.configs)
     torch.manual_seed(0)
     dev_name = torch.cuda.get_device_name(0)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -205,7 +212,7 @@ def main():
                 packed=f"{PACKED_ROWS}x{PACKED_T} tokens as one row of documents, lengths uniform in "
                        "[16, 1984], against the same tokens as {PACKED_ROWS} rows of {PACKED_T}")
     print(json.dumps(meta), flush=True)
-    bvs = [None] + [int(x) for x in args.bv.split(",") if x]
+    sweeps = [None] + [f"state_bv={x}" for x in args.bv.split(",") if x] + args.configs
     rows, profiles = [], {}
     for B, T, H, K in shapes:
         V = K
@@ -217,21 +224,20 @@ def main():
             if args.profile and (B, T, H, K) == shapes[0]:
                 profiles["fla"] = profile_kernels(fn, xs, do)
             del xs
-        for bv in bvs:
-            if bv is None:
-                prism_kernel.OVERRIDES.pop("state_bv", None)
-            else:
-                prism_kernel.OVERRIDES["state_bv"] = bv
+        for sweep in sweeps:
+            prism_kernel.OVERRIDES.clear()
+            if sweep:
+                prism_kernel.OVERRIDES.update({k: int(v) for k, v in (kv.split("=") for kv in sweep.split(","))})
             chosen = prism_kernel.launch_config(K, V, torch.bfloat16, 0, B * H)[2]["fwd_state"]["BV"]
             for L in Ls:
                 xs = make(B, T, H, K, V, L)
                 fn = lambda xs: chunk_prism(*xs)[0]
-                name = f"prism L={L}" + ("" if bv is None else f" bv={bv}")
+                name = f"prism L={L}" + ("" if sweep is None else f" {sweep}")
                 rows.append(row(name, L, B, T, H, K, V, *measure(fn, xs, do), state_bv=chosen))
-                if args.profile and bv is None and (B, T, H, K) == shapes[0] and L in (1, 3):
+                if args.profile and sweep is None and (B, T, H, K) == shapes[0] and L in (1, 3):
                     profiles[name] = profile_kernels(fn, xs, do)
                 del xs
-        prism_kernel.OVERRIDES.pop("state_bv", None)
+        prism_kernel.OVERRIDES.clear()
         del do
         torch.cuda.empty_cache()
     if not args.no_packed:   # packed documents vs the same tokens as fixed rows, same values
@@ -254,11 +260,11 @@ def main():
     for r in rows:
         same = lambda x: (x["B"], x["T"]) == (r["B"], r["T"])
         ref = [x for x in rows if x["impl"] == "fla" and same(x)]
-        if ref and r["impl"] != "fla":
+        if ref and r["impl"].startswith("prism"):
             r["fwd_vs_fla"] = round(r["fwd_ms"] / ref[0]["fwd_ms"], 3)
             r["fwdbwd_vs_fla"] = round(r["fwdbwd_ms"] / ref[0]["fwdbwd_ms"], 3)
-        suffix = r["impl"].split(" bv=")[1] if " bv=" in r["impl"] else None
-        l1 = [x for x in rows if x["impl"] == "prism L=1" + ("" if suffix is None else f" bv={suffix}") and same(x)]
+        suffix = r["impl"].split(" ", 2)[2] if r["impl"].count(" ") >= 2 else None   # the sweep's overrides
+        l1 = [x for x in rows if x["impl"] == "prism L=1" + ("" if suffix is None else f" {suffix}") and same(x)]
         if l1 and r["impl"].startswith("prism"):
             r["fwdbwd_vs_L1"] = round(r["fwdbwd_ms"] / l1[0]["fwdbwd_ms"], 3)
             r["act_vs_L1"] = round(r["act_MiB"] / l1[0]["act_MiB"], 3)
@@ -267,10 +273,11 @@ def main():
             r["fwdbwd_vs_rows"] = round(r["fwdbwd_ms"] / base[0]["fwdbwd_ms"], 3)
     targets = []
     for r in rows:
-        if r["impl"] == "prism L=1" and "fwdbwd_vs_fla" in r:
-            targets.append((f"L=1 <= 0.7x fla at {r['B']}x{r['T']}", r["fwdbwd_vs_fla"], 0.7))
-        if r["impl"] == "prism L=3" and "fwdbwd_vs_L1" in r:
-            targets.append((f"L=3 <= 1.3x L=1 at {r['B']}x{r['T']}", r["fwdbwd_vs_L1"], 1.3))
+        variant = r["impl"].split(" ", 2)[2] if r["impl"].count(" ") >= 2 else "default"
+        if r["impl"].startswith("prism L=1") and "fwdbwd_vs_fla" in r:
+            targets.append((f"L=1 <= 0.7x fla at {r['B']}x{r['T']} ({variant})", r["fwdbwd_vs_fla"], 0.7))
+        if r["impl"].startswith("prism L=3") and "fwdbwd_vs_L1" in r:
+            targets.append((f"L=3 <= 1.3x L=1 at {r['B']}x{r['T']} ({variant})", r["fwdbwd_vs_L1"], 1.3))
         if r["impl"].startswith("packed"):
             targets.append((f"{r['impl']} <= 1.1x rows", r["fwdbwd_vs_rows"], 1.1))
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench", "results")
@@ -284,10 +291,10 @@ def main():
             print(f"  {t:9.1f}  {k}")
     print(f"\n{dev_name}, bf16, fwd+bwd do_bench median; ratios within this run")
     nan = float("nan")
-    print(f"{'impl':<18} {'B x T':<10} {'fwd ms':>8} {'f+b ms':>8} {'f+b/fla':>8} {'f+b/L1':>7} "
+    print(f"{'impl':<30} {'B x T':<10} {'fwd ms':>8} {'f+b ms':>8} {'f+b/fla':>8} {'f+b/L1':>7} "
           f"{'act MiB':>8} {'peak MiB':>9}")
     for r in rows:
-        print(f"{r['impl']:<18} {str(r['B']) + 'x' + str(r['T']):<10} {r['fwd_ms']:>8.3f} {r['fwdbwd_ms']:>8.3f} "
+        print(f"{r['impl']:<30} {str(r['B']) + 'x' + str(r['T']):<10} {r['fwd_ms']:>8.3f} {r['fwdbwd_ms']:>8.3f} "
               f"{r.get('fwdbwd_vs_fla', nan):>8.3f} {r.get('fwdbwd_vs_L1', r.get('fwdbwd_vs_rows', nan)):>7.3f} "
               f"{r['act_MiB']:>8.1f} {r['peak_MiB']:>9.1f}")
     print("\ntargets:")

@@ -11,6 +11,7 @@ V only sets the number of value blocks.
     python bench/kernel_regs.py                        # K in 64,128,256, fp32 and bf16, L = 1..4
     python bench/kernel_regs.py --K 128 --V 256 --dtype bfloat16 --L 3 --ptxas
     python bench/kernel_regs.py --kernels bwd_local,bwd_rows --ptxas --n_seq 6
+    PRISM_KERNEL_CONFIG=local_bk=64 python bench/kernel_regs.py --K 128 --ptxas   # a variant
 """
 import argparse
 import inspect
@@ -30,11 +31,11 @@ import prism_kernel as pk  # noqa: E402
 
 FP32_ARGS = {"g", "gc", "dbeta", "dg", "dqp", "dkp", "dbp", "dgp", "h0", "ht", "dht", "dh0"}
 INT_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
-SCALARS = {"scale": "fp32", "T": "i32", "H": "i32"}
+SCALARS = {"scale": "fp32", "T": "i32"}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 KERNELS = dict(fwd_prep=pk._fwd_prep, fwd_state=pk._fwd_state, fwd_out=pk._fwd_out,
                bwd_dv_local=pk._bwd_dv_local, bwd_state=pk._bwd_state, bwd_rows=pk._bwd_rows,
-               bwd_local=pk._bwd_local)
+               bwd_local=pk._bwd_local, bwd_local_cc=pk._bwd_local_cc, bwd_local_dqk=pk._bwd_local_dqk)
 FLAGS = dict(fwd_state=dict(HAS_H0=True, STORE_HT=True), bwd_state=dict(HAS_DHT=True, STORE_DH0=True))
 
 
@@ -69,14 +70,14 @@ def report(K, V, dtype, L, n_seq, kernels, ptxas):
     NE = L - 1
     BT, BK, cfg = pk.launch_config(K, V, dtype, NE, n_seq)
     es = torch.tensor([], dtype=dtype).element_size()
-    base = dict(K=K, V=V, NE=NE, BT=BT, BK=BK, F32=dtype == torch.float32,
+    base = dict(H=6, K=K, V=V, NE=NE, BT=BT, BK=BK, F32=dtype == torch.float32,
                 DT=pk._DOT_DTYPES[dtype], IS_VARLEN=False)
     worst = 0
     for name in kernels:
-        if name == "bwd_rows" and NE == 0:
+        if name not in cfg or (name == "bwd_rows" and NE == 0):
             continue
         c = cfg[name]
-        consts = dict(base, BV=c["BV"], **FLAGS.get(name, {}))
+        consts = dict(base, BV=c["BV"], BK=c.get("BK", BK), **FLAGS.get(name, {}))
         try:
             comp = compile_sm90(KERNELS[name], consts, dtype, c["num_warps"], c["num_stages"])
         except Exception as e:  # noqa: BLE001
@@ -89,10 +90,10 @@ def report(K, V, dtype, L, n_seq, kernels, ptxas):
         if ptxas:
             regs, spill = ptxas_report(comp)
             extra = f" regs {regs:>3} spill {spill:>5} B"
-        est = pk.smem_estimate(name, BT, BK, c["BV"], es, NE, c["num_stages"])
+        est = pk.smem_estimate(name, BT, c.get("BK", BK), c["BV"], es, NE, c["num_stages"])
         flag = "" if shared <= pk.SMEM_LIMIT else "  OVER THE LIMIT"
         flag += "" if shared <= est else "  (estimate too low)"
-        print(f"{TYPES[dtype]} K={K} V={V} L={L} {name:<13} BT={BT} BV={c['BV']:<3} warps={c['num_warps']} "
+        print(f"{TYPES[dtype]} K={K} V={V} L={L} {name:<13} BT={BT} BK={c.get('BK', BK):<3} BV={c['BV']:<3} warps={c['num_warps']} "
               f"stages={c['num_stages']} shared {shared:>6} B (estimate {est:>6}){extra}{flag}", flush=True)
     return worst
 

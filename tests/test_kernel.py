@@ -106,6 +106,13 @@ def test_tiny_float32_vs_naive(T, H, K, V, L, h0):
     check_against_naive(1, T, H, K, V, L, torch.float32, 1e-4, h0=h0, seed=1234 + T)
 
 
+@pytest.mark.parametrize("K,L", [(32, 3), (48, 1)])
+def test_tiny_local_backward_in_key_blocks(monkeypatch, K, L):
+    # the two-kernel local backward (launch_config's default at K > 128), here in blocks of 16
+    monkeypatch.setitem(prism_kernel.OVERRIDES, "local_bk", 16)
+    check_against_naive(1, 130, 2, K, 16, L, torch.float32, 1e-4, seed=40 + K)
+
+
 def test_tiny_bf16_vs_naive():
     check_against_naive(2, 70, 1, 16, 16, 2, torch.bfloat16, 2e-2, seed=7)
 
@@ -294,6 +301,17 @@ def test_gpu_head_dims(poisoned, dtype, tol, K, V, L):
     # T = 200: three whole chunks of 64 and a partial one (six and a partial of 32)
     errs = check_against_naive(2, 200, 2, K, V, L, dtype, tol)
     print(f"\nK={K} V={V} L={L} {dtype}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,tol,K,V,L,bk", [(torch.bfloat16, 1e-2, 128, 256, 3, 64), (torch.float32, 1e-4, 128, 128, 1, 64),
+                                                (torch.float16, 1e-2, 64, 128, 4, 32)])
+def test_gpu_local_backward_in_key_blocks(poisoned, monkeypatch, dtype, tol, K, V, L, bk):
+    # the two-kernel local backward where it is not the default (bench_kernel.py --configs local_bk=64)
+    monkeypatch.setitem(prism_kernel.OVERRIDES, "local_bk", bk)
+    errs = check_against_naive(2, 200, 2, K, V, L, dtype, tol)
+    print(f"\nlocal_bk={bk} K={K} V={V} L={L} {dtype}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 
 @pytest.mark.gpu
