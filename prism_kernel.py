@@ -47,7 +47,6 @@ products (about float32 accuracy on the tensor cores); bf16/fp16 inputs feed the
 in their own dtype (like flash-linear-attention), the saved chunk states h and pseudo-values U
 are kept in that dtype.
 """
-import math
 import os
 
 import torch
