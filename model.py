@@ -6,6 +6,7 @@ Read top to bottom:
   2. the recurrence              delta_rule_naive (ground truth) / delta_rule_chunk / triton hook
   3. mixers                      GatedDeltaNet -> PRISM (the solver write) ; Attention
   4. Block, Model                pre-norm residual stack, loss, cache decoding, optimizer, MFU
+  5. training arithmetic         chunked linear cross-entropy (no full logits), FLOPs per token
 
 The PRISM update lives in one place: `PRISM.solver_write` (PRISM_SPEC.md §2). It turns the
 layer input into L-1 extra (key, value) pairs per token; the recurrence writes them into the
@@ -14,12 +15,14 @@ state without erasing, next to GDN's own delta-rule write:
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T + sum_l ke_t^(l) ve_t^(l)^T
 """
 import functools
+import importlib
 import math
 from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,8 +43,6 @@ class ModelConfig:
     tie_embeddings: bool = True      # at 130M the 32000x768 table is 18% of the weights: share it
     mixer: str = "prism"             # "gdn" | "prism" | "attention"
     attn_layers: tuple = ()          # layer indices that use causal attention instead (hybrid)
-    backend: str = None              # "naive" | "chunk" | "triton"; None = triton on CUDA else chunk
-    chunk_size: int = 64
     conv_size: int = 4               # causal depthwise conv on q, k, v
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -55,23 +56,37 @@ class ModelConfig:
     solver_keys: str = "own"         # "own" | "shared" | "base"
     solver_mode: str = "gelu"        # "gelu" (Algorithm 1) | "linear" (closed form)
     anchor_conv_size: int = 4
+    # packed documents: train.bin joins them with EOS. reset_at_eos starts a new segment at every
+    # EOS (the EOS is its first token): no state, conv tap or attention reaches across it
+    reset_at_eos: bool = False
+    eos_id: int = 2                  # Mistral's </s>; train.py checks it against the data's meta.json
 
     def __post_init__(self):
         self.attn_layers = tuple(int(i) for i in self.attn_layers)
         checks = [
             (self.mixer in ("gdn", "prism", "attention"), "mixer must be 'gdn', 'prism' or 'attention'"),
-            (self.backend in (None, "naive", "chunk", "triton"), "backend must be None, 'naive', 'chunk' or 'triton'"),
             (self.solver_keys in ("own", "shared", "base"), "solver_keys must be 'own', 'shared' or 'base'"),
             (self.solver_mode in ("gelu", "linear"), "solver_mode must be 'gelu' or 'linear'"),
             (self.solver_steps >= 1, "solver_steps must be >= 1"),
             (self.n_embd % self.n_head == 0, "n_embd must be divisible by n_head"),
             (all(0 <= i < self.n_layer for i in self.attn_layers), f"attn_layers must lie in [0, {self.n_layer})"),
-            (self.vocab_size > 0 and self.block_size > 0 and self.chunk_size > 0, "sizes must be positive"),
+            (self.vocab_size > 0 and self.block_size > 0, "sizes must be positive"),
             (float(self.head_dim * self.expand_v).is_integer(), "head_dim * expand_v must be an integer"),
+            (not self.reset_at_eos or 0 <= self.eos_id < self.vocab_size, "eos_id must lie in [0, vocab_size)"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"ModelConfig: {msg} (got {self})")
+
+    @classmethod
+    def from_dict(cls, args):
+        """A config from saved model args. Keys that older versions stored but that are run-time
+        choices now (LEGACY_KEYS) are dropped; any other unknown key is an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known - set(LEGACY_KEYS))
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown keys {unknown}")
+        return cls(**{k: v for k, v in args.items() if k in known})
 
     @property
     def value_dim(self):
@@ -81,16 +96,48 @@ class ModelConfig:
         return "attention" if i in self.attn_layers else self.mixer
 
 
+# older checkpoints stored these run-time choices (now Model attributes) with the hyperparameters
+LEGACY_KEYS = ("backend", "chunk_size")
+BACKENDS = ("naive", "chunk", "triton")
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. the recurrence: one function, three backends
 #
 #   q, k [B,T,H,K]  v [B,T,H,V]  g [B,T,H] log-decay (<= 0)  beta [B,T,H]
 #   ke [B,T,H,L-1,K]  ve [B,T,H,L-1,V] (already scaled by the step gates b^(l))
 #   state [B,H,K,V], float32 (float64 when the inputs are float64)
+#   cu_seqlens [N+1] (fla's varlen convention): B == 1 and N sequences lie back to back, sequence
+#   n is tokens cu_seqlens[n]:cu_seqlens[n+1]; no state crosses from one into the next, and
+#   initial_state / the final state are [N,H,K,V]
+
+def each_sequence(fn, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state, output_final_state, **kw):
+    """cu_seqlens for the PyTorch backends: run `fn` on every sequence alone (a host loop; the
+    Triton kernels do it natively)."""
+    bounds = cu_seqlens.tolist()
+    if q.shape[0] != 1 or bounds[0] != 0 or bounds[-1] != q.shape[1] or \
+            any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {q.shape[1]} with B == 1, "
+                         f"got {bounds} for B = {q.shape[0]}")
+    N = len(bounds) - 1
+    if initial_state is not None and initial_state.shape[0] != N:
+        raise ValueError(f"initial_state must hold one state per sequence ({N}), got {tuple(initial_state.shape)}")
+    outs, finals = [], []
+    for n in range(N):
+        piece = [None if x is None else x[:, bounds[n]:bounds[n + 1]] for x in (q, k, v, g, beta, ke, ve)]
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, ht = fn(*piece, initial_state=h0, output_final_state=output_final_state, **kw)
+        outs.append(o)
+        finals.append(ht)
+    return torch.cat(outs, 1), (torch.cat(finals) if output_final_state else None)
+
 
 def delta_rule_naive(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                     output_final_state=False):
+                     output_final_state=False, cu_seqlens=None):
     """Token by token. The ground truth every other backend is tested against."""
+    if cu_seqlens is not None:
+        return each_sequence(delta_rule_naive, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state,
+                             output_final_state, scale=scale)
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
@@ -123,7 +170,7 @@ def chunk_decay(g, C):
 
 
 def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                     output_final_state=False, chunk_size=64):
+                     output_final_state=False, chunk_size=64, cu_seqlens=None):
     """Chunk-parallel form of PRISM_SPEC §3 in PyTorch (autograd; any T; CPU or GPU).
 
     Per chunk of C tokens with entering state S0, G = in-chunk cumulative log-decay:
@@ -133,6 +180,9 @@ def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
     The triangular solve is done for all chunks at once (the WY form U = Uh - W S0), so the
     only sequential part is the cheap state pass.
     """
+    if cu_seqlens is not None:
+        return each_sequence(delta_rule_chunk, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state,
+                             output_final_state, scale=scale, chunk_size=chunk_size)
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
     C = chunk_size
@@ -192,17 +242,40 @@ def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
 
 
 def delta_rule(q, k, v, g, beta, ke=None, ve=None, initial_state=None, output_final_state=False,
-               backend="chunk", chunk_size=64):
+               backend="chunk", chunk_size=64, cu_seqlens=None):
     """Dispatch to a backend. One-token steps always take the naive path (it is the cheapest)."""
     if backend == "naive" or q.shape[1] == 1:
         return delta_rule_naive(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                                output_final_state=output_final_state)
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if backend == "chunk":
         return delta_rule_chunk(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                                output_final_state=output_final_state, chunk_size=chunk_size)
+                                output_final_state=output_final_state, chunk_size=chunk_size,
+                                cu_seqlens=cu_seqlens)
     if backend == "triton":
-        return _no_compile(_triton_delta_rule)(q, k, v, g, beta, ke, ve, initial_state, output_final_state)
+        return _no_compile(_triton_delta_rule)(q, k, v, g, beta, ke, ve, initial_state,
+                                               output_final_state, cu_seqlens)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def delta_rule_segments(seg, q, k, v, g, beta, ke=None, ve=None, initial_state=None,
+                        output_final_state=False, **kw):
+    """delta_rule under reset_at_eos: the [B,T] rows, laid back to back as [1,B*T], are cut at
+    seg.cu_seqlens. initial_state [B] (a cache) enters a row's first segment only when that
+    row continues (its first token is no EOS); the final state is each row's last segment's."""
+    B, T = q.shape[:2]
+    keep = seg.cont[:, 0, None, None, None]                            # [B,1,1,1]
+    if T == 1:  # a decode step: each row either continues or starts anew
+        h0 = None if initial_state is None else initial_state * keep
+        return delta_rule(q, k, v, g, beta, ke, ve, initial_state=h0,
+                          output_final_state=output_final_state, **kw)
+    flat = [None if x is None else x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta, ke, ve)]
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.new_zeros(seg.cu_seqlens.numel() - 1, *initial_state.shape[1:])
+        h0 = h0.index_copy(0, seg.first, initial_state * keep)
+    o, ht = delta_rule(*flat, initial_state=h0, output_final_state=output_final_state,
+                       cu_seqlens=seg.cu_seqlens, **kw)
+    return o.view(B, T, *o.shape[2:]), (ht[seg.last] if output_final_state else None)
 
 
 @functools.cache
@@ -212,25 +285,68 @@ def _no_compile(fn):
     return torch.compiler.disable(fn)
 
 
-def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state):
-    from prism_kernel import chunk_prism
-    return chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                       output_final_state=output_final_state)
+def kernels():
+    """prism_kernel (Triton), imported on first use. It is the file beside this one: a top-level
+    module in this repo, a sibling submodule in a directory written by export_hf.py. Imported through
+    importlib, not an import statement: transformers' remote-code loader requires every module that
+    an import statement names to be installed, and this one needs Triton, which CPU users may lack."""
+    return importlib.import_module(f"{__package__}.prism_kernel" if __package__ else "prism_kernel")
 
 
-def _triton_conv(x, weight):
-    from prism_kernel import causal_conv
-    return causal_conv(x, weight)
+def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state, cu_seqlens=None):
+    varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    return kernels().chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
+                                 output_final_state=output_final_state, **varlen)
+
+
+def _triton_conv(x, weight, cu_seqlens=None):
+    conv = kernels().causal_conv
+    return conv(x, weight) if cu_seqlens is None else conv(x, weight, cu_seqlens=cu_seqlens)
 
 
 def default_backend(device):
     if device.type == "cuda":
         try:
-            import prism_kernel  # noqa: F401
+            kernels()
             return "triton"
         except Exception:
             pass
     return "chunk"
+
+
+@dataclass
+class Segments:
+    """Where documents start in one forward's tokens idx [B,T] (reset_at_eos): a segment starts
+    at every EOS (its first token) and at every row start. Built once per forward, on the device.
+      pos [B,T]          tokens since the segment start; a row's first segment counts from the
+                         row start (with a cache it continues what the cache holds)
+      cont [B,T] bool    the token lies before the row's first EOS: it continues the cache
+      cu_seqlens [N+1]   int32, segment starts in the rows laid back to back ([B,T] -> [1,B*T]),
+                         then B*T: fla's varlen convention
+      first, last [B]    index of each row's first and last segment
+    """
+    pos: torch.Tensor
+    cont: torch.Tensor
+    cu_seqlens: torch.Tensor
+    first: torch.Tensor
+    last: torch.Tensor
+
+
+def segments_of(idx, eos_id):
+    B, T = idx.shape
+    eos = idx == eos_id
+    start = eos.clone()
+    start[:, 0] = True
+    t = torch.arange(T, device=idx.device)
+    pos = t - torch.where(start, t, 0).cummax(1).values
+    cont = eos.cumsum(1) == 0
+    per_row = start.sum(1)
+    last = per_row.cumsum(0) - 1
+    if T == 1:  # one segment per row: a decode step needs no host sync
+        cu = torch.arange(B + 1, device=idx.device, dtype=torch.int32)
+    else:  # the segment count sizes cu_seqlens: nonzero is this forward's one host sync
+        cu = torch.cat([start.flatten().nonzero().flatten(), t.new_full((1,), B * T)]).int()
+    return Segments(pos, cont, cu, last - per_row + 1, last)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,7 +361,8 @@ class RMSNorm(nn.RMSNorm):
 
 class ShortConv(nn.Module):
     """Causal depthwise conv over time, then SiLU. With a cache it continues from the last w-1
-    inputs; fused=True runs prism_kernel.causal_conv (Triton, [B,T,C] in place, no cache)."""
+    inputs; fused=True runs prism_kernel.causal_conv (Triton, [B,T,C] in place, no cache).
+    With `seg` (reset_at_eos) no tap reaches back across a segment start."""
 
     def __init__(self, channels, width):
         super().__init__()
@@ -253,18 +370,33 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, width))
         nn.init.uniform_(self.weight, -1 / math.sqrt(width), 1 / math.sqrt(width))
 
-    def forward(self, x, cache=None, key=None, fused=False):  # x [B,T,C]
+    def forward(self, x, cache=None, key=None, fused=False, seg=None):  # x [B,T,C]
+        B, T, C = x.shape
         if fused and cache is None:
-            return _no_compile(_triton_conv)(x, self.weight)
+            if seg is None:
+                return _no_compile(_triton_conv)(x, self.weight)
+            y = _no_compile(_triton_conv)(x.reshape(1, B * T, C), self.weight, seg.cu_seqlens)
+            return y.view(B, T, C)
         w = self.width - 1
         past = cache.get(key) if cache is not None else None
         if past is None:
-            past = x.new_zeros(x.shape[0], w, x.shape[2])
+            past = x.new_zeros(B, w, C)
         xp = torch.cat([past.to(x.dtype), x], 1)
-        if cache is not None:
-            cache[key] = xp[:, xp.shape[1] - w:].detach()
-        y = F.conv1d(xp.transpose(1, 2), self.weight.to(x.dtype)[:, None, :], groups=x.shape[2])
-        return F.silu(y.transpose(1, 2))
+        if seg is None:
+            if cache is not None:
+                cache[key] = xp[:, xp.shape[1] - w:].detach()
+            y = F.conv1d(xp.transpose(1, 2), self.weight.to(x.dtype)[:, None, :], groups=C)
+            return F.silu(y.transpose(1, 2))
+        # tap s (s tokens back) reaches token t only within its segment; tokens that continue a
+        # row see the whole buffer, which holds nothing from before that row's segment start
+        reach = seg.pos.masked_fill(seg.cont, w)                        # [B,T]
+        weight = self.weight.to(x.dtype)
+        y = sum(xp[:, w - s:w - s + T] * weight[:, w - s] * (reach >= s)[..., None].to(x.dtype)
+                for s in range(w + 1))
+        if cache is not None:  # keep only the last segment's inputs: entry i is w-1-i tokens back
+            back = torch.arange(w - 1, -1, -1, device=x.device)
+            cache[key] = (xp[:, xp.shape[1] - w:] * (back <= reach[:, -1:])[..., None]).detach()
+        return F.silu(y)
 
 
 class GatedDeltaNet(nn.Module):
@@ -288,26 +420,33 @@ class GatedDeltaNet(nn.Module):
         dt = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
 
-    def solver_write(self, x, k, v, cache=None, fused=False):
+    def qkv_proj(self, x):
+        """q|k|v in one GEMM: the three weights are concatenated (a few MB), not the three
+        [B,T,*] outputs; the parameters keep their names, so checkpoints load unchanged."""
+        ps = (self.q_proj, self.k_proj, self.v_proj)
+        bias = torch.cat([p.bias for p in ps]) if self.cfg.bias else None
+        return F.linear(x, torch.cat([p.weight for p in ps]), bias)
+
+    def solver_write(self, x, k, v, cache=None, fused=False, seg=None):
         return None, None
 
-    def forward(self, x, cache=None, backend="chunk"):
+    def forward(self, x, cache=None, backend="chunk", chunk_size=64, seg=None):
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        qkv = self.qkv_proj(x)
         fused = backend == "triton"   # Triton short conv too (ShortConv keeps torch's for a cache)
-        q, k, v = self.conv(qkv, cache, "conv", fused).split([H * K, H * K, H * V], -1)
+        q, k, v = self.conv(qkv, cache, "conv", fused, seg).split([H * K, H * K, H * V], -1)
         v = v.view(B, T, H, V)
         # autocast runs normalisation in float32; hand the recurrence one dtype
         q = F.normalize(q.view(B, T, H, K), dim=-1).to(v.dtype)
         k = F.normalize(k.view(B, T, H, K), dim=-1).to(v.dtype)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
-        ke, ve = self.solver_write(x, k, v, cache, fused)
+        ke, ve = self.solver_write(x, k, v, cache, fused, seg)
         state = cache.get("state") if cache is not None else None
-        o, state = delta_rule(q, k, v, g, beta, ke, ve, initial_state=state,
-                              output_final_state=cache is not None, backend=backend,
-                              chunk_size=self.cfg.chunk_size)
+        rule = delta_rule if seg is None else functools.partial(delta_rule_segments, seg)
+        o, state = rule(q, k, v, g, beta, ke, ve, initial_state=state,
+                        output_final_state=cache is not None, backend=backend, chunk_size=chunk_size)
         if cache is not None:
             cache["state"] = state.detach()
         o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
@@ -336,12 +475,12 @@ class PRISM(GatedDeltaNet):
         self.gain_up = nn.ModuleList(nn.Linear(r, H * V, bias=False) for _ in range(n_gains))
         self.step_proj = nn.Linear(D, H * (L - 1), bias=False)   # b^(l), per head and step
 
-    def solver_write(self, x, k, v, cache=None, fused=False):
+    def solver_write(self, x, k, v, cache=None, fused=False, seg=None):
         """Returns ke [B,T,H,L-1,K] and ve = b * delta [B,T,H,L-1,V] (PRISM_SPEC §2.2)."""
         if self.L == 1:
             return None, None
         cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
-        a = self.anchor_conv(x, cache, "anchor", fused) if cfg.solver_anchor else F.silu(x)
+        a = self.anchor_conv(x, cache, "anchor", fused, seg) if cfg.solver_anchor else F.silu(x)
         z = self.solver_down(a).split(cfg.solver_rank, -1)
         u = self.u_up(z[0]).view(B, T, H, V)                      # proxy of S_{t-1} k_t
         r = v - u                                                 # residual after GDN's write
@@ -367,17 +506,19 @@ class PRISM(GatedDeltaNet):
 
 
 def rope(x, pos, theta):
-    """Rotary embedding on [B,T,H,D] at integer positions pos [T] (half-split convention)."""
+    """Rotary embedding on [B,T,H,D] at integer positions pos [T] or [B,T] (half-split convention)."""
     D = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    ang = pos.float()[:, None] * inv[None]
-    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
+    ang = pos.float()[..., None] * inv
+    cos, sin = ang.cos().unsqueeze(-2), ang.sin().unsqueeze(-2)       # [(B,)T,1,D/2]
     x1, x2 = x.float().chunk(2, -1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
 class Attention(nn.Module):
-    """Causal softmax attention with RoPE; FlashAttention when importable, else SDPA."""
+    """Causal softmax attention with RoPE; FlashAttention when importable, else SDPA.
+    With `seg` (reset_at_eos) it is document-causal and positions restart at every segment
+    start, so a segment's q and k are bitwise those of its tokens run alone."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -385,22 +526,38 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
-    def forward(self, x, cache=None, backend=None):
+    def forward(self, x, cache=None, backend=None, chunk_size=None, seg=None):  # recurrence options unused
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.hd).unbind(2)
         past = cache["k"].shape[1] if cache is not None and "k" in cache else 0
         pos = torch.arange(past, past + T, device=x.device)
+        if seg is not None:  # key index where each token's segment begins [B,T]; tokens that
+            # continue their row keep the cache's window start, carried in cache["begin"]
+            begin = torch.where(seg.cont, cache.get("begin", 0) if cache is not None else 0, pos - seg.pos)
+            abs_pos, pos = pos, pos - begin
         q, k = rope(q, pos, self.cfg.rope_theta), rope(k, pos, self.cfg.rope_theta)
         if cache is not None:
             if past:
                 k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
             cache["k"], cache["v"] = k.detach(), v.detach()
+            if seg is not None:
+                cache["begin"] = begin[:, -1:]
         y = None
-        if _flash_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        flash = _flash_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+        if flash and seg is None:
             y = _flash_attn(q, k, v, causal=True)  # bottom-right aligned: right for a cache too
+        elif flash and past == 0:
+            cu = seg.cu_seqlens  # T bounds every segment's length: no host sync for the true maximum
+            y = _flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, T, T,
+                                   causal=True).view(B, T, self.H, self.hd)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            if past == 0:
+            if seg is not None:  # document-causal: query t sees keys begin_t .. t
+                j = torch.arange(past + T, device=x.device)
+                mask = (j <= abs_pos[:, None]) & (j >= begin[..., None])       # [B,T,past+T]
+                with sdpa_kernel(DECODE_SDPA):
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+            elif past == 0:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:  # queries sit at the end of the keys: bottom-right causal mask
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
@@ -412,9 +569,9 @@ class Attention(nn.Module):
 
 
 try:
-    from flash_attn import flash_attn_func as _flash_attn
+    from flash_attn import flash_attn_func as _flash_attn, flash_attn_varlen_func as _flash_attn_varlen
 except Exception:
-    _flash_attn = None
+    _flash_attn = _flash_attn_varlen = None
 from torch.nn.attention import SDPBackend, sdpa_kernel
 DECODE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -429,8 +586,14 @@ class MLP(nn.Module):
         self.w_gate = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.w_up = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.w_down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.recompute = False  # Model.activation_checkpointing = "mlp" sets it
 
     def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():  # keep x, not the [B,T,hidden] pair
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
@@ -447,20 +610,31 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cache=None, backend="chunk"):
-        x = x + self.drop(self.mixer(self.norm1(x), cache, backend))
+    def forward(self, x, cache=None, backend="chunk", chunk_size=64, seg=None):
+        x = x + self.drop(self.mixer(self.norm1(x), cache, backend, chunk_size, seg))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class Model(nn.Module):
-    def __init__(self, config):
+    """`backend` ("naive" | "chunk" | "triton" | None = Triton on CUDA when importable, else chunk)
+    and `chunk_size` (the PyTorch chunk backend's chunk length; the Triton kernels use 64) are
+    run-time choices that compute the same function: attributes, not hyperparameters. So are
+    `activation_checkpointing` (True: every block keeps only its input and is rerun in the
+    backward; "mlp": only the MLPs are, the cheap-to-recompute half holding the widest
+    activations; False: nothing is recomputed) and `fused_loss` (True: the loss is
+    linear_cross_entropy, which never holds the [B*T, vocab] logits; None = on CUDA; False:
+    logits, then F.cross_entropy)."""
+
+    def __init__(self, config, backend=None, chunk_size=64):
         super().__init__()
-        if isinstance(config, dict):
-            config = ModelConfig(**config)
         self.config = cfg = config
+        self.backend = backend
+        self.chunk_size = chunk_size
+        self.fused_loss = None
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.activation_checkpointing = False
         self.norm_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -488,27 +662,72 @@ class Model(nn.Module):
 
     @property
     def backend(self):
-        b = self.config.backend
+        b = self._backend
         return b if b is not None else default_backend(self.wte.weight.device)
 
-    def forward(self, idx, targets=None, cache=None):
-        """Logits for every position. With `cache` (from init_cache) the call continues the
-        sequence held in the cache: recurrent state and conv buffers, or the KV cache."""
+    @backend.setter
+    def backend(self, name):
+        if name not in (None, *BACKENDS):
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got {name!r}")
+        self._backend = name
+
+    @property
+    def activation_checkpointing(self):
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, mode):
+        if mode not in (False, True, "mlp"):
+            raise ValueError(f"activation_checkpointing must be False, True or 'mlp', got {mode!r}")
+        self._checkpointing = mode
+        for b in self.blocks:
+            b.mlp.recompute = mode == "mlp"
+
+    @property
+    def chunk_size(self):
+        return self._chunk_size
+
+    @chunk_size.setter
+    def chunk_size(self, c):
+        if not (isinstance(c, int) and c > 0):
+            raise ValueError(f"chunk_size must be a positive int, got {c!r}")
+        self._chunk_size = c
+
+    def forward(self, idx, targets=None, cache=None, return_logits=False):
+        """Returns (logits, loss). Without `targets`: the logits [B,T,V] of every position and
+        loss None. With `targets` [B,T]: the mean cross-entropy over the targets that are not -1,
+        and logits None unless return_logits=True (the fused loss never builds them; asking for
+        them takes the plain path). With `cache` (from init_cache) the call continues the
+        sequence held in the cache: recurrent state and conv buffers, or the KV cache.
+        With config.reset_at_eos every EOS in idx starts a new document (see Segments): a row
+        whose first token is EOS starts afresh, any other continues the cache."""
         # checked where it is free: on CUDA it would sync every step, so train.py scans the data
         # once at start-up and the tokenizers cannot produce ids beyond the vocabulary
         if not idx.is_cuda and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.drop(self.wte(idx))
-        backend = self.backend
+        backend, chunk_size = self.backend, self.chunk_size
+        seg = _no_compile(segments_of)(idx, self.config.eos_id) if self.config.reset_at_eos else None
+        recompute = self._checkpointing is True and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i], backend)
-        logits = self.lm_head(self.norm_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=-1)
-        return logits, loss
+            if recompute:  # keep only the block's input; rerun the block in the backward
+                x = checkpoint(block, x, None, backend, chunk_size, seg, use_reentrant=False)
+            else:
+                x = block(x, None if cache is None else cache[i], backend, chunk_size, seg)
+        x = self.norm_f(x)
+        if targets is None:
+            return self.lm_head(x), None
+        fused = self.fused_loss if self.fused_loss is not None else x.is_cuda
+        if fused and not return_logits:
+            loss = _no_compile(linear_cross_entropy)(x.flatten(0, 1), self.lm_head.weight,
+                                                      targets.reshape(-1))
+            return None, loss
+        logits = self.lm_head(x)
+        acc = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 in tests
+        loss = F.cross_entropy(logits.flatten(0, 1).to(acc), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX)
+        return (logits if return_logits else None), loss
 
     def init_cache(self, batch_size=None):
         """One dict per layer, filled lazily by the mixers (state S + conv buffers, or K/V).
@@ -544,26 +763,128 @@ class Model(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def flops_per_token(self, T=None):
-        """Training FLOPs per token (forward + backward = 3x forward).
-        Matmuls: 6 N (N includes the LM head once). Mixers, per layer and token:
-        attention 2*2*T*D/2 (causal QK^T and AV); GDN/PRISM chunk form with C-token chunks and
-        L write rows per token: intra-chunk C*(K(L+1) + V L)/2... approximated as
-        2*(C*K*L + C*V*L + 3*K*V*L) per head."""
+        """Training FLOPs per token at context T (default block_size): training_flops_per_token
+        with this model's parameters (a tied head counts once, an untied input table not at all)."""
         cfg = self.config
-        T = T or cfg.block_size
-        N = self.num_params(non_embedding=False)
-        fwd = 2 * N
-        for b in self.blocks:
-            if b.mixer_name == "attention":
-                fwd += 2 * T * cfg.n_embd        # QK^T + AV under a causal mask (half of 4TD)
-            else:
-                L = cfg.solver_steps if b.mixer_name == "prism" else 1
-                C, K, V = cfg.chunk_size, cfg.head_dim, cfg.value_dim
-                fwd += cfg.n_head * 2 * (C * K * L + C * V * L + 3 * K * V * L)
-        return 3 * fwd
+        n = self.num_params(non_embedding=not cfg.tie_embeddings)
+        return training_flops_per_token(cfg, T or cfg.block_size, n)
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=989e12):
-        """Model FLOPs utilisation; peak = H100/H200 dense bf16 (989 TFLOP/s)."""
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=None):
+        """Model FLOPs utilisation of fwdbwd_per_iter sequences of block_size tokens in dt
+        seconds, against `peak_flops` (default PEAK_FLOPS: H100/H200 dense bf16)."""
         T = self.config.block_size
-        flops = self.flops_per_token(T) * T * fwdbwd_per_iter
-        return flops / dt / peak_flops
+        return self.flops_per_token(T) * T * fwdbwd_per_iter / dt / (peak_flops or PEAK_FLOPS)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. training arithmetic: the loss without full logits, and FLOPs per token
+
+IGNORE_INDEX = -1      # targets equal to this are left out of the loss (and of its mean)
+LOSS_CHUNK = 4096      # rows of logits alive at once in linear_cross_entropy
+PEAK_FLOPS = 989e12    # H100 / H200 SXM dense bf16 tensor-core peak, FLOP/s
+
+
+def linear_cross_entropy(h, weight, targets, chunk=None):
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) (the mean over the targets that
+    are not -1; nan when there are none, as there) without ever holding more than `chunk` rows
+    of logits (default LOSS_CHUNK): h [N,D], weight [V,D], targets [N].
+
+    Each chunk of rows gets its logits in the autocast dtype (what nn.Linear would give), a
+    float32 log-sum-exp, its loss, and at once its gradients w.r.t. h and weight (the softmax
+    minus the one-hot, over the number of counted targets); the backward only scales them by
+    the incoming gradient. Memory is O(chunk x V) instead of the four [N,V] float32 tensors of
+    logits.float(), log_softmax and their gradients."""
+    if h.dim() != 2 or weight.dim() != 2 or targets.shape != h.shape[:1] or h.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: need h [N,D], weight [V,D], targets [N]; got "
+                         f"{tuple(h.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}")
+    chunk = LOSS_CHUNK if chunk is None else chunk
+    if not (isinstance(chunk, int) and chunk > 0):
+        raise ValueError(f"linear_cross_entropy: chunk must be a positive int, got {chunk!r}")
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk, dtype, grad)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk, dtype, grad):
+        # needs_input_grad is set under no_grad too: `grad` says whether a backward can come
+        need_h, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
+        rows = _compiled_ce_rows() if h.is_cuda else _ce_rows
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(dtype)
+            n = (targets != IGNORE_INDEX).sum()
+            scale = 1.0 / n.clamp(min=1).to(acc)  # a tensor: no host sync
+            loss = torch.zeros((), dtype=acc, device=h.device)
+            dh = torch.empty_like(h) if need_h else None
+            dw = torch.zeros_like(weight) if need_w else None
+            for s in range(0, h.shape[0], chunk):
+                hc = h[s:s + chunk].to(dtype)
+                part, g = rows(hc @ w.t(), targets[s:s + chunk], scale, need_h or need_w)
+                loss = loss + part
+                if need_h:
+                    dh[s:s + chunk] = g @ w
+                if need_w:
+                    dw += g.t() @ hc  # in the autocast dtype, summed in the weight's
+        ctx.save_for_backward(dh, dw)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dh, dw = ctx.saved_tensors
+        dh = dh * dloss.to(dh.dtype) if dh is not None else None
+        dw = dw * dloss.to(dw.dtype) if dw is not None else None
+        return dh, dw, None, None, None, None
+
+
+def _ce_rows(logits, targets, scale, grad):
+    """One chunk: the summed loss of its counted rows and, if grad, scale * (softmax - onehot)
+    in the logits' dtype (zero on rows whose target is IGNORE_INDEX)."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    lse = x.logsumexp(-1)
+    valid = targets != IGNORE_INDEX
+    t = torch.where(valid, targets, 0)
+    picked = x.gather(1, t[:, None])[:, 0]
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    if not grad:
+        return loss, None
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == t[:, None]
+    g = ((x - lse[:, None]).exp() - onehot.to(x.dtype)) * torch.where(valid, scale, 0.0)[:, None]
+    return loss, g.to(logits.dtype)
+
+
+@functools.cache
+def _compiled_ce_rows():
+    # on CUDA one fused reduction and one pointwise kernel per chunk instead of ~8 passes over
+    # [chunk, V] float32; compiled on first use (CPU users pay nothing)
+    return torch.compile(_ce_rows, dynamic=None)
+
+
+def training_flops_per_token(cfg, T, n_params):
+    """FLOPs of one training step per token, forward + backward = 3 x forward, with
+
+      forward = 2 * n_params      every weight does one multiply-add per token (n_params: all
+                                  parameters, a tied head once, an untied input table not at all)
+              + per attention layer   2 * T * D             QK^T and AV under the causal mask
+              + per GDN/PRISM layer   2 * H * (C (3K + 2V) + 3 K V)             (chunk form)
+                                      + 2 * H * (L-1) * (C (2K + 2V) + K V)     (PRISM's rows)
+
+    C = 64 is the Triton kernels' chunk. The GDN term counts the kernels' matmuls per chunk of C
+    tokens and head: K K^T and Q K^T (C^2 K each), the triangular system for W and U (C^2 (K+V)),
+    A U (C^2 V), the state's W S, Q S and K^T U (C K V each). Each extra PRISM row adds its
+    K/Q x Ke^T (2 C^2 K), the products with Ve (2 C^2 V) and its write Ke^T Ve (C K V).
+    The same formula, with the peer's own parameter count, gives every row of bench.py its MFU."""
+    fwd = 2 * n_params
+    D, H, K, V, C = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.value_dim, 64
+    for i in range(cfg.n_layer):
+        mixer = cfg.layer_mixer(i)
+        if mixer == "attention":
+            fwd += 2 * T * D
+        else:
+            rows = cfg.solver_steps - 1 if mixer == "prism" else 0
+            fwd += 2 * H * (C * (3 * K + 2 * V) + 3 * K * V)
+            fwd += 2 * H * rows * (C * (2 * K + 2 * V) + K * V)
+    return 3 * fwd

@@ -27,32 +27,32 @@ def _fail(path, why):
 
 
 def load_checkpoint(path, device="cpu", backend=None):
-    """Load a nanoGPT-style checkpoint into an eval-mode Model on `device`.
+    """Load a nanoGPT-style checkpoint (or a directory written by export_hf.py) into an
+    eval-mode Model on `device`.
 
     Reads with torch.load(weights_only=True): a checkpoint is tensors plus plain Python values,
     so nothing in it needs arbitrary unpickling. Strips the '_orig_mod.' (torch.compile) and
-    'module.' (DDP) prefixes. `backend` overrides the stored recurrence backend; a checkpoint
-    trained with the Triton backend falls back to 'chunk' off CUDA. Returns (model, ckpt) where
+    'module.' (DDP) prefixes. `backend` picks the recurrence backend (None: Triton on CUDA,
+    else chunk); older checkpoints' stored backend is ignored. Returns (model, ckpt) where
     ckpt is the checkpoint dict without the weights and optimizer state.
     """
-    if not os.path.isfile(path):
+    if os.path.isdir(path):  # a transformers directory written by export_hf.py
+        from export_hf import read_exported
+        ckpt = read_exported(path)
+    elif not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, wrong file, or a type weights_only refuses
-        _fail(path, f"cannot be read as a torch checkpoint ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}); is the file corrupt or truncated?")
+    else:
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated zip, wrong file, or a type weights_only refuses
+            _fail(path, f"cannot be read as a torch checkpoint ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); is the file corrupt or truncated?")
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
         _fail(path, f"expected a dict with 'model' and 'model_args', got {keys}")
 
-    args = dict(ckpt["model_args"])
-    if backend is not None:
-        args["backend"] = backend
-    elif args.get("backend") == "triton" and not str(device).startswith("cuda"):
-        args["backend"] = "chunk"
     try:
-        config = ModelConfig(**args)
+        config = ModelConfig.from_dict(dict(ckpt["model_args"]))
     except (TypeError, ValueError) as e:
         _fail(path, f"model_args do not fit this model.py: {e}")
 
@@ -62,7 +62,7 @@ def load_checkpoint(path, device="cpu", backend=None):
             while k.startswith(prefix):
                 k = k[len(prefix):]
         state[k] = v
-    model = Model(config)
+    model = Model(config, backend=backend)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -95,7 +95,7 @@ def read_prompt(start):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt)")
+    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt) or an export_hf.py directory")
     p.add_argument("--start", default="", help="prompt text, or FILE:path")
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=200)
@@ -114,7 +114,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     torch.cuda.manual_seed(args.seed)
     model, _ = load_checkpoint(args.ckpt, args.device)
-    tok = load_tokenizer(args.tokenizer)
+    from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
+    tok = load_tokenizer(args.tokenizer or exported_tokenizer(args.ckpt))
     check_vocab(tok, model)
     ctx = ExitStack()
     if "cuda" in args.device:

@@ -71,6 +71,9 @@ TRAIN_DEFAULTS = dict(
     device="auto",                   # "auto" = cuda if available else cpu
     dtype="auto",                    # "auto" = bfloat16 autocast on CUDA, float32 on CPU
     compile=False,
+    backend=None,                    # recurrence: "naive" | "chunk" | "triton"; None = triton on CUDA else chunk
+    chunk_size=64,                   # the chunk backend's chunk length (the Triton kernels use 64)
+    activation_checkpointing=False,  # recompute each block in the backward: less memory, ~1/3 more compute
     cpu_threads=0,                   # torch intra-op threads on CPU; 0 = torch's default
     # optional loggers, off by default (the JSONL log in out_dir is always written)
     wandb_log=False,
@@ -80,8 +83,6 @@ TRAIN_DEFAULTS = dict(
 )
 MODEL_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
                   for f in dataclasses.fields(ModelConfig)}
-# implementation choices that compute the same function: allowed to differ on resume
-RESUME_FREE_MODEL_KEYS = ("backend", "chunk_size")
 TRAIN_SAMPLE = {**TRAIN_DEFAULTS, **MODEL_DEFAULTS}
 
 
@@ -109,7 +110,7 @@ def _coerce(key, value, default):
             value = [value]
         ok = isinstance(value, (list, tuple))
         value = want(value) if ok else value
-    elif default is None:  # optional string (ModelConfig.backend)
+    elif default is None:  # optional string (the backend key)
         ok = value is None or isinstance(value, str)
         want = "str or None"
     else:
@@ -199,6 +200,17 @@ def open_data(cfg):
     else:
         print(f"warning: {meta_path} missing; cannot check the tokenizer/vocab of the data")
     return paths, meta
+
+
+def data_eos_id(meta, model_args):
+    """reset_at_eos cuts at the data's EOS: meta.json's eos_id, unless the config names another."""
+    eos, ours = meta.get("eos_id"), model_args["eos_id"]
+    if not model_args["reset_at_eos"] or eos is None or eos == ours:
+        return ours
+    if ours != MODEL_DEFAULTS["eos_id"]:
+        raise UserError(f"reset_at_eos: meta.json has eos_id {eos}, the config eos_id {ours}; "
+                        f"drop --eos_id or set --eos_id={eos}")
+    return eos
 
 
 def check_data_meta(meta, model_args, ckpt_meta=None):
@@ -355,8 +367,10 @@ def load_latest_checkpoint(out_dir, log=print):
 
 
 def check_resume_model_args(ckpt_args, model_args):
+    # a key the checkpoint lacks is newer than it: the checkpoint ran with its default
+    ckpt_args = {**MODEL_DEFAULTS, **ckpt_args}
     diff = [f"{k} (checkpoint {ckpt_args.get(k)!r}, now {v!r})" for k, v in model_args.items()
-            if k not in RESUME_FREE_MODEL_KEYS and _norm(ckpt_args.get(k)) != _norm(v)]
+            if _norm(ckpt_args.get(k)) != _norm(v)]
     if diff:
         raise UserError("cannot resume: the model config differs from the checkpoint's in "
                         + ", ".join(diff) + ". Use the checkpoint's values or a new out_dir.")
@@ -468,6 +482,7 @@ def train(cfg):
     except (ValueError, TypeError) as e:
         raise UserError(str(e))
     paths, meta = open_data(cfg)
+    model_args["eos_id"] = data_eos_id(meta, model_args)
     n_train = os.path.getsize(paths["train"]) // 2
     n_val = os.path.getsize(paths["val"]) // 2
     check_data_meta(meta, model_args)
@@ -496,7 +511,12 @@ def train(cfg):
                         f"or another --out_dir")
 
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
-    model = Model(ModelConfig(**model_args)).to(device)
+    try:
+        model = Model(ModelConfig(**model_args), backend=cfg["backend"], chunk_size=cfg["chunk_size"])
+    except ValueError as e:
+        raise UserError(str(e))
+    model = model.to(device)
+    model.activation_checkpointing = cfg["activation_checkpointing"]
     optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                            (cfg["beta1"], cfg["beta2"]), device.type)
     random.seed(cfg["seed"] + rank)

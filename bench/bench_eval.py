@@ -37,7 +37,7 @@ from model import Model, ModelConfig  # noqa: E402
 from train import atomic_write, model_args_of, parse_config  # noqa: E402
 
 BASE_TINY = dict(n_layer=2, n_embd=64, n_head=2, head_dim=16, expand_v=2.0, vocab_size=512,
-                 block_size=256, solver_rank=16, chunk_size=16)
+                 block_size=256, solver_rank=16)
 # the 130M models are the config files; --tiny shrinks them to BASE_TINY with these mixers
 CONFIGS = {name: os.path.join(ROOT, "config", f"{name}_130m.py")
            for name in ("transformer", "gdn", "prism", "hybrid")}
@@ -178,9 +178,7 @@ def main(argv=None):
                 kw["attn_layers"] = (1,)
         else:
             kw = model_args_of(parse_config([CONFIGS[name]]))
-        if args.backend:
-            kw["backend"] = args.backend
-        model = Model(ModelConfig(**kw)).to(device).eval()
+        model = Model(ModelConfig(**kw), backend=args.backend).to(device).eval()
         report["models"][name] = {"model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()},
                                   "params": model.num_params(non_embedding=False), "backend": model.backend}
         lm = PrismLM(model=model, tokenizer=NullTokenizer(kw["vocab_size"]), device=str(device),

@@ -86,8 +86,9 @@ class PrismLM(TemplateLM):
             from sample import load_checkpoint
             model, _ = load_checkpoint(ckpt, device, backend=backend)
         if tokenizer is None:
+            from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
             from tokenizer import load_tokenizer
-            tokenizer = load_tokenizer(tokenizer_path)
+            tokenizer = load_tokenizer(tokenizer_path or (exported_tokenizer(ckpt) if ckpt else None))
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         if vocab is not None and tokenizer.vocab_size > vocab:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}")

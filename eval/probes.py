@@ -299,16 +299,15 @@ class OurProbeNet(nn.Module):
     """model.py's Model, run only up to the last position's logits. Calls the Model's parts
     directly to skip its per-call vocab check (a host sync); make_batch guarantees the range."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, backend="chunk"):
         super().__init__()
-        self.model = Model(cfg)
+        self.model = Model(cfg, backend=backend)
 
     def forward(self, idx):
         m = self.model
         x = m.wte(idx)
-        backend = m.config.backend
         for block in m.blocks:
-            x = block(x, None, backend)
+            x = block(x, None, m.backend, m.chunk_size)
         return m.lm_head(m.norm_f(x[:, -1]))
 
 
@@ -331,9 +330,8 @@ def build_model(name, vocab, width, length, n_layer=2, backend="chunk"):
     if name in OUR_MODELS:
         cfg = ModelConfig(vocab_size=vocab, block_size=length, n_layer=n_layer, n_head=1,
                           n_embd=width, head_dim=width, expand_v=1.0, mlp_hidden=4 * width,
-                          solver_rank=max(width // 2, 1), chunk_size=64, backend=backend,
-                          **OUR_MODELS[name])
-        return OurProbeNet(cfg)
+                          solver_rank=max(width // 2, 1), **OUR_MODELS[name])
+        return OurProbeNet(cfg, backend)
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
 

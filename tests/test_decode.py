@@ -34,8 +34,8 @@ CASES = {
 def tiny_model(seed=0, backend="chunk", **kw):
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=VOCAB, block_size=64, n_layer=3, n_head=2, n_embd=32, head_dim=8,
-                      expand_v=2.0, chunk_size=8, solver_rank=8, backend=backend, **kw)
-    model = Model(cfg).eval()
+                      expand_v=2.0, solver_rank=8, **kw)
+    model = Model(cfg, backend=backend, chunk_size=8).eval()
     # random init leaves the mixers nearly silent; larger weights make a state bug visible
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -135,9 +135,9 @@ TASKS = ["lambada_openai", "piqa", "arc_easy", "wikitext"]
 def tiny_model(vocab=TOK.vocab_size, n_embd=32, seed=0):
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=vocab, block_size=BLOCK, n_layer=2, n_head=2, n_embd=n_embd,
-                      head_dim=8, chunk_size=8, solver_rank=8, mixer="prism", solver_steps=3,
-                      attn_layers=(1,), backend="chunk")
-    return Model(cfg).eval()
+                      head_dim=8, solver_rank=8, mixer="prism", solver_steps=3,
+                      attn_layers=(1,))
+    return Model(cfg, backend="chunk", chunk_size=8).eval()
 
 
 def run_tasks(lm, task_dir, tasks=TASKS):
@@ -336,8 +336,8 @@ def test_batching_and_padding_do_not_change_scores():
 def test_right_padding_never_reaches_earlier_positions(mixer, attn):
     torch.manual_seed(0)
     model = Model(ModelConfig(vocab_size=50, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32,
-                              head_dim=8, chunk_size=8, solver_rank=8, mixer=mixer,
-                              attn_layers=attn, backend="chunk")).eval()
+                              head_dim=8, solver_rank=8, mixer=mixer,
+                              attn_layers=attn), backend="chunk", chunk_size=8).eval()
     x = torch.randint(0, 50, (1, 13))
     padded = torch.cat([x, torch.randint(0, 50, (1, 11))], 1)
     with torch.no_grad():
@@ -399,6 +399,7 @@ def test_checkpoint_loading_and_errors(tmp_path):
     _save_ckpt(p, model)
     loaded, meta = load_checkpoint(str(p))
     assert meta["iter_num"] == 7 and "model" not in meta
+    loaded.chunk_size = model.chunk_size  # a run-time choice, not saved: same chunks, same bits
     x = torch.randint(0, TOK.vocab_size, (2, 9))
     with torch.no_grad():
         assert torch.equal(loaded(x)[0], model(x)[0])

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from model import (Model, ModelConfig, PRISM, GatedDeltaNet, delta_rule_chunk, delta_rule_naive)
 
 TINY = dict(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32, head_dim=8,
-            expand_v=2.0, chunk_size=16, solver_rank=8)
+            expand_v=2.0, solver_rank=8)
 
 
 def rand_inputs(B, T, H, K, V, L, dtype, seed=0):
@@ -178,7 +178,7 @@ def test_backends_agree_on_the_model():
     idx = torch.randint(0, TINY["vocab_size"], (2, 50))
     outs = {}
     for backend in ("naive", "chunk"):
-        model.config.backend = backend
+        model.backend = backend
         outs[backend] = model(idx)[0]
     assert rel(outs["chunk"], outs["naive"]) <= 1e-10
 
@@ -191,7 +191,7 @@ def test_parameter_budget_130m():
     assert gdn < prism <= 1.10 * gdn, (gdn, prism)
 
 
-@pytest.mark.parametrize("bad", [dict(mixer="mamba"), dict(solver_keys="x"), dict(backend="cuda"),
+@pytest.mark.parametrize("bad", [dict(mixer="mamba"), dict(solver_keys="x"),
                                  dict(attn_layers=[99]), dict(solver_steps=0)])
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
@@ -218,3 +218,13 @@ def test_optimizer_groups():
     assert {"A_log", "dt_bias", "weight"} <= nd          # norms' weights are 1-D
     assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params(False)
+
+
+def test_legacy_model_args_load_and_unknown_keys_fail():
+    """Older checkpoints stored the run-time backend and chunk size with the hyperparameters."""
+    cfg = ModelConfig.from_dict({**TINY, "backend": "triton", "chunk_size": 16})
+    assert cfg == ModelConfig(**TINY)
+    with pytest.raises(ValueError, match="unknown keys"):
+        ModelConfig.from_dict({**TINY, "n_layers": 3})
+    with pytest.raises(ValueError, match="backend"):
+        Model(ModelConfig(**TINY), backend="cuda")
