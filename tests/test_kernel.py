@@ -388,8 +388,8 @@ def test_gpu_million_tokens_int64_offsets():
     tag = f"T=2^20 H=6 K=128 V=256 L=3 bf16 seed={seed}"
     sq = {}  # name -> [sum |a-b|^2, sum |b|^2] over the segments, for the whole-tensor error
 
-    def check(name, a, b, tol=5e-2):
-        # every 64-token chunk within tol (bf16 noise is ~5e-3; a wrong region gives ~1)
+    def check(name, a, b, tol=0.1):
+        # every 64-token chunk within tol (bf16 noise is ~5e-3; a wrong region gives ~1 or NaN)
         assert torch.isfinite(a).all(), f"{tag} {name}: non-finite values"
         e = chunk_rel_errs(a, b) if name not in ("final_state", "dh0") else torch.tensor([rel_err(a, b)])
         worst[name] = max(worst.get(name, 0.0), e.max().item())
