@@ -815,12 +815,38 @@ def launch_config(K, V, dtype, NE, n_seq):
     return BT, BK, cfg
 
 
+_SEQ_CACHE = {}   # id(cu_seqlens) -> (the tensor, its version, {derived tables}); a few entries
+
+
+def _seq_cache(cu_seqlens):
+    """Tables derived from one cu_seqlens tensor, kept while it is unchanged: a model passes the
+    same tensor to every layer and conv, so one host read serves a whole forward and backward.
+    The entry holds the tensor (its id cannot be reused meanwhile); an in-place change bumps its
+    version and starts a new entry."""
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:      # inference tensors keep no version counter: no caching
+        return {}
+    e = _SEQ_CACHE.get(id(cu_seqlens))
+    if e is None or e[0] is not cu_seqlens or e[1] != version:
+        e = _SEQ_CACHE[id(cu_seqlens)] = (cu_seqlens, version, {})
+        while len(_SEQ_CACHE) > 8:
+            del _SEQ_CACHE[next(iter(_SEQ_CACHE))]
+    return e[2]
+
+
 def _seq_lengths(cu_seqlens, T, who="chunk_prism"):
-    """Validate cu_seqlens (one host read) and return the sequence lengths (CPU int64)."""
+    """Validate cu_seqlens (one host read per tensor) and return the sequence lengths (CPU int64)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{who}: cu_seqlens must be a 1-D int32/int64 tensor [N+1] of sequence starts and the end")
-    c = cu_seqlens.tolist()
+    cache = _seq_cache(cu_seqlens)
+    if ("lens", T) not in cache:
+        cache[("lens", T)] = _check_lengths(cu_seqlens.tolist(), T, who)
+    return cache[("lens", T)]
+
+
+def _check_lengths(c, T, who):
     if c[0] != 0 or c[-1] != T:
         raise ValueError(f"{who}: cu_seqlens must start at 0 and end at T = {T}, got {c[0]} .. {c[-1]}")
     lens = torch.tensor(c[1:], dtype=torch.int64) - torch.tensor(c[:-1], dtype=torch.int64)
@@ -835,6 +861,13 @@ def _seq_tables(cu_seqlens, T, BT):
     it) per chunk program, chunk_offsets [N+1] = first chunk of each sequence. Every sequence is
     padded to whole chunks in this index space."""
     lens = _seq_lengths(cu_seqlens, T)
+    cache = _seq_cache(cu_seqlens)
+    if ("tables", T, BT) not in cache:
+        cache[("tables", T, BT)] = _build_tables(cu_seqlens, lens, BT)
+    return cache[("tables", T, BT)]
+
+
+def _build_tables(cu_seqlens, lens, BT):
     nts = (lens + BT - 1) // BT
     offsets = torch.cat([nts.new_zeros(1), nts.cumsum(0)])
     seq = torch.repeat_interleave(torch.arange(len(nts)), nts)
@@ -1143,9 +1176,12 @@ def _conv_blocks(T, C):
 
 def _conv_positions(cu_seqlens, T):
     """Validated cu_seqlens -> pos[t] = t - start of t's sequence (int32 [T])."""
-    lens = _seq_lengths(cu_seqlens, T, "causal_conv").to(cu_seqlens.device)
-    starts = cu_seqlens[:-1].long().repeat_interleave(lens, output_size=T)
-    return (torch.arange(T, device=cu_seqlens.device) - starts).to(torch.int32)
+    lens = _seq_lengths(cu_seqlens, T, "causal_conv")
+    cache = _seq_cache(cu_seqlens)
+    if ("pos", T) not in cache:
+        starts = cu_seqlens[:-1].long().repeat_interleave(lens.to(cu_seqlens.device), output_size=T)
+        cache[("pos", T)] = (torch.arange(T, device=cu_seqlens.device) - starts).to(torch.int32)
+    return cache[("pos", T)]
 
 
 class CausalConvFunction(torch.autograd.Function):

@@ -113,8 +113,9 @@ def test_tiny_local_backward_in_key_blocks(monkeypatch, K, L):
     check_against_naive(1, 130, 2, K, 16, L, torch.float32, 1e-4, seed=40 + K)
 
 
-def test_tiny_bf16_vs_naive():
-    check_against_naive(2, 70, 1, 16, 16, 2, torch.bfloat16, 2e-2, seed=7)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tiny_half_vs_naive(dtype):
+    check_against_naive(2, 70, 1, 16, 16, 2, dtype, 2e-2, seed=7)
 
 
 def test_extreme_decays_stay_finite():
@@ -227,7 +228,7 @@ def test_packed_equals_separate(L):
     check_packed([1, 63, 64, 65, 130], 1, 16, 16, L, torch.float32, 1e-5, seed=20 + L)
 
 
-def test_packed_bad_cu_seqlens_raise():
+def test_packed_bad_cu_seqlens_raise(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     q, k, v, g, beta, _, _, _ = make_inputs(1, 10, 1, 16, 16, 1, DEV, gen=gen, h0=False)
     cu = lambda *c, dt=torch.int32: torch.tensor(c, dtype=dt, device=DEV)
@@ -243,6 +244,19 @@ def test_packed_bad_cu_seqlens_raise():
         chunk_prism(q2, k2, v2, g2, b2, cu_seqlens=cu(0, 4, 10))
     with pytest.raises(ValueError, match="initial_state must be"):
         chunk_prism(q, k, v, g, beta, cu_seqlens=cu(0, 4, 10), initial_state=torch.zeros(1, 1, 16, 16, device=DEV))
+    # one host read per cu_seqlens tensor (the layers of a model share one); an in-place change
+    # is seen (the tensor's version counter), and so is a new tensor
+    reads = []
+    check = prism_kernel._check_lengths
+    monkeypatch.setattr(prism_kernel, "_check_lengths", lambda *a: reads.append(1) or check(*a))
+    c = cu(0, 4, 10)
+    for _ in range(2):
+        chunk_prism(q, k, v, g, beta, cu_seqlens=c)
+        prism_kernel.causal_conv(v[0].reshape(1, 10, 16), torch.ones(16, 4, device=DEV), cu_seqlens=c)
+    assert len(reads) == 1
+    c[1] = 12
+    with pytest.raises(ValueError, match="strictly increasing"):
+        chunk_prism(q, k, v, g, beta, cu_seqlens=c)
     # int64 tables work too, and a single sequence is the plain call
     o1, s1 = chunk_prism(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu(0, 10, dt=torch.int64))
     o2, s2 = chunk_prism(q, k, v, g, beta, output_final_state=True)
