@@ -12,7 +12,8 @@ then packed documents (cu_seqlens) against the same tokens as fixed-length rows.
     python bench/bench_kernel.py --warm          # compile every kernel variant the GPU tests and
                                                  # this bench launch, in parallel processes
 
-Needs a CUDA GPU. fla is optional (import it if present). Writes $OUT/kernel_bench.json (or
+Needs a CUDA GPU. fla is optional (import it if present). Launch choices are set through --bv and
+--configs here (PRISM_KERNEL_CONFIG from the environment is not used by this script). Writes $OUT/kernel_bench.json (or
 bench/results/kernel_bench.json when OUT is unset) with the date, GPU and versions.
 Targets checked at the end: L=1 <= 0.7x fla, L=3 <= 1.3x our L=1 (every shape), packed
 documents <= 1.1x the same tokens unpacked.
@@ -144,6 +145,7 @@ def warm_specs(shapes, Ls, configs):
 
 def _warm_one(spec):
     B, T, H, K, V, L, dtype, st, n_docs, overrides = spec
+    prism_kernel.OVERRIDES.clear()   # pool workers are reused: each spec sets its own overrides
     prism_kernel.OVERRIDES.update({k: int(v) for k, v in (kv.split("=") for kv in overrides.split(",") if kv)})
     t0 = time.time()
     try:

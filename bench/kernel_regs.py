@@ -66,12 +66,12 @@ def ptxas_report(compiled):
     return regs, spill
 
 
-def report(K, V, dtype, L, n_seq, kernels, ptxas):
+def report(K, V, dtype, L, n_seq, kernels, ptxas, varlen=False):
     NE = L - 1
     BT, BK, cfg = pk.launch_config(K, V, dtype, NE, n_seq)
     es = torch.tensor([], dtype=dtype).element_size()
     base = dict(H=6, K=K, V=V, NE=NE, BT=BT, BK=BK, F32=dtype == torch.float32,
-                DT=pk._DOT_DTYPES[dtype], IS_VARLEN=False)
+                DT=pk._DOT_DTYPES[dtype], IS_VARLEN=varlen)
     worst = 0
     for name in kernels:
         if name not in cfg or (name == "bwd_rows" and NE == 0):
@@ -107,6 +107,7 @@ def main():
     ap.add_argument("--n_seq", type=int, default=48, help="sequences x heads (sets the state passes' BV)")
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--ptxas", action="store_true", help="also registers and spill bytes per thread")
+    ap.add_argument("--varlen", action="store_true", help="the packed-sequence (cu_seqlens) variants")
     args = ap.parse_args()
     worst = 0
     for dt in args.dtype.split(","):
@@ -114,7 +115,7 @@ def main():
             for L in (int(x) for x in args.L.split(",")):
                 V = int(args.V) if args.V else K
                 worst = max(worst, report(K, V, getattr(torch, dt), L, args.n_seq,
-                                          args.kernels.split(","), args.ptxas))
+                                          args.kernels.split(","), args.ptxas, args.varlen))
     print(f"largest shared memory: {worst} B (limit {pk.SMEM_LIMIT} B)")
     return 0 if worst <= pk.SMEM_LIMIT else 1
 
