@@ -856,23 +856,24 @@ def _check_lengths(c, T, who):
     return lens
 
 
-def _seq_tables(cu_seqlens, T, BT):
+def _seq_tables(cu_seqlens, T, BT, device):
     """Packed-sequence tables on cu_seqlens' device: chunk_indices [NC, 2] = (sequence, chunk in
     it) per chunk program, chunk_offsets [N+1] = first chunk of each sequence. Every sequence is
-    padded to whole chunks in this index space."""
+    padded to whole chunks in this index space. Built on `device` (the inputs'), wherever
+    cu_seqlens lives."""
     lens = _seq_lengths(cu_seqlens, T)
     cache = _seq_cache(cu_seqlens)
-    if ("tables", T, BT) not in cache:
-        cache[("tables", T, BT)] = _build_tables(cu_seqlens, lens, BT)
-    return cache[("tables", T, BT)]
+    key = ("tables", T, BT, str(device))
+    if key not in cache:
+        cache[key] = _build_tables(cu_seqlens, lens, BT, device)
+    return cache[key]
 
 
-def _build_tables(cu_seqlens, lens, BT):
+def _build_tables(cu_seqlens, lens, BT, dev):
     nts = (lens + BT - 1) // BT
     offsets = torch.cat([nts.new_zeros(1), nts.cumsum(0)])
     seq = torch.repeat_interleave(torch.arange(len(nts)), nts)
     chunk = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(nts)
-    dev = cu_seqlens.device
     return (cu_seqlens.to(dev, torch.int32).contiguous(),
             torch.stack([seq, chunk], 1).to(dev, torch.int32).contiguous(),
             offsets.to(dev, torch.int32), len(nts), int(offsets[-1]))
@@ -889,7 +890,7 @@ def _setup(q, v, ke, cu_seqlens, tables=None):
     if cu_seqlens is None:   # fixed length: program ids map arithmetically, the tables are unused
         tables = (q, q, q, B, B * triton.cdiv(T, BT))
     elif tables is None:     # the forward builds them (one host read), the backward reuses them
-        tables = _seq_tables(cu_seqlens, T, BT)
+        tables = _seq_tables(cu_seqlens, T, BT, q.device)
     return NE, meta, cfg, tables
 
 
@@ -1174,14 +1175,15 @@ def _conv_blocks(T, C):
     return min(64, triton.next_power_of_2(T)), min(128, triton.next_power_of_2(C))
 
 
-def _conv_positions(cu_seqlens, T):
-    """Validated cu_seqlens -> pos[t] = t - start of t's sequence (int32 [T])."""
+def _conv_positions(cu_seqlens, T, device):
+    """Validated cu_seqlens -> pos[t] = t - start of t's sequence (int32 [T] on `device`)."""
     lens = _seq_lengths(cu_seqlens, T, "causal_conv")
     cache = _seq_cache(cu_seqlens)
-    if ("pos", T) not in cache:
-        starts = cu_seqlens[:-1].long().repeat_interleave(lens.to(cu_seqlens.device), output_size=T)
-        cache[("pos", T)] = (torch.arange(T, device=cu_seqlens.device) - starts).to(torch.int32)
-    return cache[("pos", T)]
+    key = ("pos", T, str(device))
+    if key not in cache:
+        starts = cu_seqlens[:-1].to(device, torch.int64).repeat_interleave(lens.to(device), output_size=T)
+        cache[key] = (torch.arange(T, device=device) - starts).to(torch.int32)
+    return cache[key]
 
 
 class CausalConvFunction(torch.autograd.Function):
@@ -1230,5 +1232,5 @@ def causal_conv(x, weight, silu=True, cu_seqlens=None):
     if cu_seqlens is not None:
         if x.shape[0] != 1:
             raise ValueError(f"causal_conv: with cu_seqlens x must be [1,T,C] (sequences packed along T), got {tuple(x.shape)}")
-        pos = _conv_positions(cu_seqlens, x.shape[1])
+        pos = _conv_positions(cu_seqlens, x.shape[1], x.device)
     return CausalConvFunction.apply(x.contiguous(), weight.contiguous(), bool(silu), pos)
