@@ -95,17 +95,18 @@ def _batch_tensors(obj, batch, seen=None):
 
 
 class PrismCache(Cache):
-    """transformers' handle on model.py's decoding cache: `state` is Model.init_cache(batch_size),
-    passed as is to Model.forward(cache=...); `seen` counts the tokens it holds."""
+    """transformers' handle on model.py's decoding cache: `state` is Model.init_cache(batch_size,
+    max_len), passed as is to Model.forward(cache=...); `seen` counts the tokens it holds.
+    max_len bounds only attention layers' static KV cache (the recurrent state has no limit)."""
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, model, batch_size):
+    def __init__(self, model, batch_size, max_len):
         try:
             super().__init__(layers=[])
         except TypeError:  # transformers before the layered Cache
             super().__init__()
-        self.state = model.init_cache(batch_size)
+        self.state = model.init_cache(batch_size, max_len)
         self.batch = batch_size
         self.seen = 0
 
@@ -219,7 +220,8 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             if labels is not None:
                 raise ValueError("PrismForCausalLM: labels (a loss) with use_cache=True are not supported")
             if cache is None or (not isinstance(cache, PrismCache) and cache.get_seq_length() == 0):
-                cache = PrismCache(self.model, input_ids.shape[0])
+                # room for block_size tokens after the prompt (attention layers' static KV cache)
+                cache = PrismCache(self.model, input_ids.shape[0], input_ids.shape[1] + self.config.block_size)
             elif not isinstance(cache, PrismCache):
                 raise ValueError(f"PrismForCausalLM needs its own PrismCache, got {type(cache).__name__}")
             logits, _ = self.model(input_ids, cache=cache.state)
