@@ -1,12 +1,15 @@
 """prism_kernel.py against the float64 token-by-token recurrence (model.delta_rule_naive).
 
 CPU (CI): the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set below before
-triton is imported) at tiny shapes. GPU (`pytest -m gpu`, H200): fresh random inputs every run,
+triton is imported) at tiny shapes: every gradient, L = 1..4, bf16/fp16, the key-block local
+backward, packed sequences (== each sequence alone) and their validation, the short conv.
+GPU (`pytest -m gpu`): fresh random inputs every run (the seed is in every failure message),
 every buffer the kernels allocate poisoned with NaN, relative Frobenius error <= 1e-4 (float32)
-and <= 1e-2 (bf16) for the output, the final state and every gradient, L = 1..4,
-T in {100, 2048, 8191}; L = 1 forward against flash-linear-attention when it is importable.
-Run `python bench/bench_kernel.py --warm` first: it compiles every variant these tests use in
-parallel processes (about 45 s on the H200 instead of several minutes one after another).
+and <= 1e-2 (bf16, fp16) for the output, the final state and every gradient: every dtype at
+every head shape K, V in {64, 128, 256}; L = 1..4 at T in {100, 2048, 8191}; 2^20 tokens in one
+call; packed documents; extreme decays; L = 1 forward against flash-linear-attention when it is
+importable. Run `python bench/bench_kernel.py --warm` first: it compiles every variant these
+tests use in parallel processes instead of one after another inside the tests.
 """
 import os
 import sys
