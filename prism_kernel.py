@@ -1286,25 +1286,25 @@ def _conv_step(x, buf, w, y, reset, T, C, sx_b, sx_t,
         acc = acc * tl.sigmoid(acc)
     tl.store(y + (i_b.to(tl.int64) * T + o_t[:, None]) * C + o_c[None, :], acc.to(y.dtype.element_ty),
              mask=m_t[:, None] & m_c[None, :])
-    if i_t == 0:
+    if i_t == 0:  # names of their own: Triton's compiler refuses a loop variable re-typed here
         # the buffer after this call: the inputs at tokens T-(W-1) .. T-1, zero where a later
         # reset (up to T-1) cut them off
         o_e = tl.arange(0, BW)
         m_e = o_e < W - 1
-        p = T - (W - 1) + o_e
+        pe = T - (W - 1) + o_e
         keep_e = m_e
         if HAS_RESET:
             for d in tl.static_range(1, W - 1):
-                s = p + d
-                ok = m_e & (s >= 0) & (s < T)
-                r = tl.load(reset + i_b * T + tl.where(ok, s, 0), mask=ok, other=0)
-                keep_e = keep_e & (r == 0)
-        in_x = p >= 0
-        vx = tl.load(xb + tl.where(in_x, p, 0).to(tl.int64)[:, None] * sx_t + o_c[None, :],
-                     mask=(keep_e & in_x)[:, None] & m_c[None, :], other=0.)
-        vb = tl.load(bb + tl.where(in_x, 0, W - 1 + p)[:, None] * C + o_c[None, :],
-                     mask=(keep_e & ~in_x)[:, None] & m_c[None, :], other=0.)
-        new = vx.to(tl.float32) + vb.to(tl.float32)
+                se = pe + d
+                ok = m_e & (se >= 0) & (se < T)
+                r_e = tl.load(reset + i_b * T + tl.where(ok, se, 0), mask=ok, other=0)
+                keep_e = keep_e & (r_e == 0)
+        in_e = pe >= 0
+        ex = tl.load(xb + tl.where(in_e, pe, 0).to(tl.int64)[:, None] * sx_t + o_c[None, :],
+                     mask=(keep_e & in_e)[:, None] & m_c[None, :], other=0.)
+        eb = tl.load(bb + tl.where(in_e, 0, W - 1 + pe)[:, None] * C + o_c[None, :],
+                     mask=(keep_e & ~in_e)[:, None] & m_c[None, :], other=0.)
+        new = ex.to(tl.float32) + eb.to(tl.float32)
         tl.debug_barrier()  # every read of the old buffer is done
         tl.store(bb + o_e[:, None] * C + o_c[None, :], new.to(buf.dtype.element_ty),
                  mask=m_e[:, None] & m_c[None, :])
