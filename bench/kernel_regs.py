@@ -12,6 +12,11 @@ V only sets the number of value blocks.
     python bench/kernel_regs.py --K 128 --V 256 --dtype bfloat16 --L 3 --ptxas
     python bench/kernel_regs.py --kernels bwd_local,bwd_rows --ptxas --n_seq 6
     PRISM_KERNEL_CONFIG=local_bk=64 python bench/kernel_regs.py --K 128 --ptxas   # a variant
+    python bench/kernel_regs.py --every-launch    # compile every kernel the module launches (CI)
+
+--every-launch runs the host functions at small shapes with each kernel launch recorded instead
+of run, then compiles every distinct launch for sm_90 (front-end and ptxas errors that the CPU
+interpreter never sees: type checks of loop-carried values, constexpr branches, resources).
 """
 import argparse
 import inspect
@@ -98,6 +103,140 @@ def report(K, V, dtype, L, n_seq, kernels, ptxas, varlen=False):
     return worst
 
 
+TORCH_TYPES = {**TYPES, torch.float64: "fp64", torch.int32: "i32", torch.int64: "i64",
+               torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+
+
+def record_launches(run):
+    """The launches `run()` makes, as (kernel, args, kwargs), none of them executed: every
+    JITFunction of prism_kernel is replaced by a recorder meanwhile. Buffers stay unwritten, so
+    this suits host code that never reads kernel outputs back (the chunk and decoding entry points)."""
+    log, saved = [], {}
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: log.append((self.fn, args, kw))
+
+    for name, fn in vars(pk).items():
+        if isinstance(fn, triton.runtime.jit.JITFunction):
+            saved[name] = fn
+    try:
+        for name, fn in saved.items():
+            setattr(pk, name, Recorder(fn))
+        run()
+    finally:
+        for name, fn in saved.items():
+            setattr(pk, name, fn)
+    return log
+
+
+def compile_launch(fn, args, kw):
+    """Compile one recorded launch for sm_90 with the argument types and constants it had."""
+    kw = dict(kw)
+    opts = {n: kw.pop(n) for n in ("num_warps", "num_stages") if n in kw}
+    bound = inspect.signature(fn.fn).bind(*args, **kw)
+    sig, consts = {}, {}
+    for i, p in enumerate(fn.params):
+        v = bound.arguments.get(p.name)
+        if p.is_constexpr or v is None:
+            sig[p.name], consts[(i,)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + TORCH_TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        else:
+            sig[p.name] = "fp32"
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def representative_calls():
+    """Small calls that between them launch every kernel of prism_kernel in each of its
+    variants (flags, dtypes, the one-kernel and the key-block local backward, packed sequences)."""
+    os.environ["TRITON_INTERPRET"] = "1"   # the host checks accept CPU tensors; kernels are recorded
+    dot_dtype = pk._dot_dtype
+    pk._dot_dtype = lambda dt: pk._DOT_DTYPES[dt]   # compile bf16 as the GPU runs it
+    r = lambda *s, dt=torch.bfloat16: torch.randn(*s).to(dt).requires_grad_()
+    try:
+        def prism(dt, K, V, NE, packed, local_bk):
+            pk.OVERRIDES.pop("local_bk", None)
+            if local_bk:
+                pk.OVERRIDES["local_bk"] = local_bk
+            T = 40
+            q, k, v = r(1, T, 2, K, dt=dt), r(1, T, 2, K, dt=dt), r(1, T, 2, V, dt=dt)
+            g, beta = r(1, T, 2, dt=torch.float32), r(1, T, 2, dt=torch.float32)
+            ke, ve = (r(1, T, 2, NE, K, dt=dt), r(1, T, 2, NE, V, dt=dt)) if NE else (None, None)
+            cu = torch.tensor([0, 15, T]) if packed else None
+            h0 = torch.zeros(2 if packed else 1, 2, K, V) if packed else None
+            o, ht = pk.chunk_prism(q, k, v, g, beta, ke, ve, initial_state=h0, output_final_state=packed,
+                                   cu_seqlens=cu)
+            (o.float().sum() + (ht.sum() if packed else 0)).backward()
+            pk.OVERRIDES.pop("local_bk", None)
+
+        yield "chunk bf16 K64 L3 packed", lambda: prism(torch.bfloat16, 64, 64, 2, True, 0)
+        yield "chunk fp32 K64 L1 key blocks", lambda: prism(torch.float32, 64, 32, 0, False, 32)
+        yield "chunk fp16 K64 L2 key blocks packed", lambda: prism(torch.float16, 64, 64, 1, True, 32)
+
+        def conv(packed):
+            x, w = r(1, 40, 96), r(96, 4)
+            pk.causal_conv(x, w, cu_seqlens=torch.tensor([0, 15, 40]) if packed else None).float().sum().backward()
+        yield "causal_conv", lambda: conv(False)
+        yield "causal_conv packed", lambda: conv(True)
+
+        def decode():
+            B, H, K, V = 2, 2, 64, 64
+            x = torch.randn(B, 20, 96).bfloat16()    # a prefill (time blocks wider than the taps)
+            buf = torch.zeros(B, 3, 96).bfloat16()
+            pk.conv_step(x, buf, torch.randn(96, 4).bfloat16(), torch.zeros(B, 20, dtype=torch.bool))
+            pk.conv_step(x[:, :1], buf, torch.randn(96, 4).bfloat16())
+            q, k = torch.randn(B, 1, H, K).bfloat16(), torch.randn(B, 1, H, K).bfloat16()
+            v = torch.randn(B, 1, H, V).bfloat16()
+            g, beta = torch.randn(B, 1, H), torch.rand(B, 1, H)
+            pk.recurrent_prism_step(q, k, v, g, beta, torch.randn(B, 1, H, 2, K).bfloat16(),
+                                    torch.randn(B, 1, H, 2, V).bfloat16(), reset=torch.zeros(B, 1, dtype=torch.bool))
+            pk.recurrent_prism_step(q, k, v, g, beta, gates=(torch.randn(H), torch.randn(H)), l2norm_qk=True)
+            pk.gated_rms_norm(torch.randn(B, 1, H, V).bfloat16(), torch.randn(B, 1, H * V).bfloat16(),
+                              torch.ones(V), 1e-6)
+            pk.add_rms_norm(torch.randn(B, 1, 128).bfloat16(), torch.randn(B, 1, 128).bfloat16(), torch.ones(128), 1e-6)
+            pk.silu_mul(torch.randn(B, 1, 256).bfloat16())
+            L, D = 16, 32
+            kc, vc = torch.zeros(B, L, H, D).bfloat16(), torch.zeros(B, L, H, D).bfloat16()
+            begin, pos = torch.zeros(B, dtype=torch.int64), torch.tensor(3)
+            qr = pk.rope_kv_write(torch.randn(B, 1, 3 * H * D).bfloat16(), torch.ones(L, D // 2),
+                                  torch.zeros(L, D // 2), pos, begin, kc, vc)
+            pk.decode_attention(qr, kc, vc, begin, pos, splits=2)
+        yield "decoding", decode
+    finally:
+        pk._dot_dtype = dot_dtype
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
+def every_launch():
+    """Record the representative calls' launches and compile each distinct one for sm_90."""
+    seen, failed = set(), 0
+    for what, run in representative_calls():
+        for fn, args, kw in record_launches(run):
+            key = (fn.fn.__name__, tuple(type(a).__name__ + (str(a.dtype) if isinstance(a, torch.Tensor) else
+                                                             "" if not isinstance(a, (bool, int)) else str(a))
+                                         for a in args), tuple(sorted(kw.items(), key=lambda x: x[0])).__repr__())
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                c = compile_launch(fn, args, kw)
+                print(f"ok      {fn.fn.__name__:<16} ({what}) shared {c.metadata.shared} B", flush=True)
+            except Exception as e:  # noqa: BLE001
+                failed += 1
+                print(f"FAILED  {fn.fn.__name__:<16} ({what}) {type(e).__name__}: {str(e)[:400]}", flush=True)
+    print(f"{len(seen)} launches compiled for sm_90, {failed} failed (triton {triton.__version__})")
+    return 1 if failed else 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--K", default="64,128,256")
@@ -108,7 +247,10 @@ def main():
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--ptxas", action="store_true", help="also registers and spill bytes per thread")
     ap.add_argument("--varlen", action="store_true", help="the packed-sequence (cu_seqlens) variants")
+    ap.add_argument("--every-launch", action="store_true", help="compile every launch of small representative calls")
     args = ap.parse_args()
+    if args.every_launch:
+        return every_launch()
     worst = 0
     for dt in args.dtype.split(","):
         for K in (int(x) for x in args.K.split(",")):
