@@ -10,7 +10,7 @@ empty prompt samples a fresh document. Decoding runs through the model's cache: 
 carry their state S and convolution buffers (constant memory in the length), attention layers a
 KV cache. Text is decoded with the Mistral tokenizer (tokenizer.py; --tokenizer overrides).
 
-load_checkpoint() is shared with eval/lm_eval.py.
+load_checkpoint() is shared with eval/harness.py.
 """
 import argparse
 import os

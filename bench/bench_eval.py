@@ -27,12 +27,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.join(ROOT, "eval")]
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from eval.lm_eval import PrismLM  # noqa: E402
+from eval.harness import PrismLM  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 from train import atomic_write, model_args_of, parse_config  # noqa: E402
 

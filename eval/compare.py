@@ -1,9 +1,9 @@
 """
-Put several eval/lm_eval.py results side by side, in the paper's table layout.
+Put several eval/harness.py results side by side, in the paper's table layout.
 
     python eval/compare.py out/gdn_130m/eval.json out/prism_130m/eval.json [--output table.md]
 
-Each argument is a results JSON written by eval/lm_eval.py --output (lm-eval's own
+Each argument is a results JSON written by eval/harness.py --output (lm-eval's own
 `--output_path` JSON works too: both keep lm-eval's "results" block). A row is labelled by the
 JSON's "label" field, else by the file name; --labels overrides.
 
@@ -74,13 +74,13 @@ def load_results(path):
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(d, dict) or not isinstance(d.get("results"), dict):
-        raise ValueError(f"{path}: no 'results' block; expected eval/lm_eval.py or lm-eval output")
+        raise ValueError(f"{path}: no 'results' block; expected eval/harness.py or lm-eval output")
     label = d.get("label") or os.path.splitext(os.path.basename(path))[0]
     return label, d["results"]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="side-by-side table of eval/lm_eval.py results")
+    p = argparse.ArgumentParser(description="side-by-side table of eval/harness.py results")
     p.add_argument("results", nargs="+", help="results JSON files")
     p.add_argument("--labels", default=None, help="comma list, one label per file")
     p.add_argument("--output", default=None, help="also write the markdown table here")
