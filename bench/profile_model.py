@@ -1,5 +1,6 @@
 """Where a training step's GPU time goes: torch.profiler over full steps (forward, backward,
 AdamW) of the 130M configs, top ops by self GPU time. Prints one table per model.
+Needs a CUDA GPU (and flash-linear-attention for the fla row); writes the tables to --out.
 
     python bench/profile_model.py [--models=gdn,prism] [--B=16] [--T=2048] [--out=FILE]
 """
@@ -45,13 +46,24 @@ def profile(model, B, T, vocab, ours=True, steps=2, warmup=3, rows=25):
             + ka.table(sort_by=key, row_limit=rows, max_name_column_width=70))
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--models", default="gdn,prism L=3,fla")
-    p.add_argument("--B", type=int, default=16)
-    p.add_argument("--T", type=int, default=2048)
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p.add_argument("--models", default="gdn,prism L=3,fla",
+                   help="comma list: bench.py suite names (a prefix is enough) or fla")
+    p.add_argument("--B", type=int, default=16, help="sequences per step")
+    p.add_argument("--T", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--out", default=None, help="also write the tables to this file")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
     report = []
     for name in a.models.split(","):
         torch.manual_seed(0)

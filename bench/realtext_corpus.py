@@ -524,11 +524,21 @@ def prepared_record(d):
     return rec
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(ROOT, "data", "realtext_src"), help="shard folder")
-    ap.add_argument("--record", default=os.path.join(ROOT, "bench", "results", "realtext_corpus.json"))
-    ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--out", default=os.path.relpath(os.path.join(ROOT, "data", "realtext_src")), help="shard folder")
+    ap.add_argument("--record", default=os.path.relpath(os.path.join(ROOT, "bench", "results", "realtext_corpus.json")),
+                    help="JSON record of the packages, versions and counts")
+    ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES), metavar="SOURCE",
+                    help="sources to gather: " + " ".join(SOURCES))
     ap.add_argument("--min_chars", type=int, default=200, help="drop shorter documents")
     ap.add_argument("--record_prepared", metavar="DIR", default=None,
                     help="only add DIR's meta.json counts and .bin sha256 to --record (after prepare)")

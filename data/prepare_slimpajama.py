@@ -47,9 +47,9 @@ Malformed records (bad JSON, missing or non-string text, bytes that are not UTF-
 counted and reported; past --max_malformed the run stops, naming the file and line.
 
 Speed. Workers (--num_proc) tokenize batches of ~1 MiB of text; results are written in input
-order. One worker does ~1.3M tokens/s on local .jsonl.zst on the 2-core dev machine
-(bench/bench_prepare.py, bench/results/prepare_bench.json): ~30 min for the default 2B tokens,
-which take 4.0 GB (train.bin) + 20 MB (val.bin) of disk.
+order. One worker does ~0.9M tokens/s on local .jsonl.zst on a 2-core machine
+(bench/bench_prepare.py, bench/results/prepare_bench.json): ~20 min for the default 2B tokens
+with 2 workers, which take 4.0 GB (train.bin) + 20 MB (val.bin) of disk.
 """
 
 import argparse
@@ -113,24 +113,34 @@ def set_name(s):
     return s[len("redpajama"):] if s.startswith("redpajama") else s
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     p.add_argument("--data_files", nargs="+", metavar="GLOB", help="local .jsonl.zst/.jsonl/.parquet/.txt files")
     p.add_argument("--val_files", nargs="+", metavar="GLOB", help="local files for val.bin")
-    p.add_argument("--dataset", default=None, help=f"hub dataset to stream (default {SLIMPAJAMA})")
+    p.add_argument("--dataset", default=None, help=f"hub dataset to stream (default: {SLIMPAJAMA})")
     p.add_argument("--dataset_config", default=None, help="hub dataset config name")
-    p.add_argument("--text_field", default="text")
+    p.add_argument("--text_field", default="text", help="the record field that holds the text")
     p.add_argument("--txt_docs", choices=["paragraph", "file"], default="paragraph",
                    help=".txt input: a document per blank-line separated paragraph, or per file")
     p.add_argument("--val_fraction", type=float, default=None,
-                   help="hold out every round(1/f)-th record when there is no validation source")
+                   help="hold out every round(1/f)-th record when there is no validation source "
+                        "(default: so that both budgets fill together)")
     p.add_argument("--exclude_sets", nargs="+", default=[], metavar="SET", help=f"drop these: {' '.join(SETS)}")
     p.add_argument("--include_sets", nargs="+", default=[], metavar="SET", help="keep only these")
     p.add_argument("--tokens", type=parse_budget, default=2_000_000_000, help="train tokens (or 'all')")
     p.add_argument("--val_tokens", type=parse_budget, default=10_000_000, help="val tokens (or 'all')")
-    p.add_argument("--num_proc", type=int, default=os.cpu_count() or 1, help="tokenizer worker processes")
-    p.add_argument("--out_dir", default=os.path.join("data", "slimpajama"))
-    p.add_argument("--tokenizer", default=None, help="SentencePiece model file (default: Mistral-7B-v0.1)")
+    p.add_argument("--num_proc", type=int, default=os.cpu_count() or 1,
+                   help="tokenizer worker processes (default: %(default)s, one per CPU)")
+    p.add_argument("--out_dir", default=os.path.join("data", "slimpajama"), help="where the files go")
+    p.add_argument("--tokenizer", default=None, help="SentencePiece model file (default: Mistral-7B-v0.1's)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run in out_dir")
     p.add_argument("--overwrite", action="store_true", help="discard an interrupted run in out_dir")
     p.add_argument("--max_malformed", type=int, default=1000, help="malformed records tolerated")

@@ -79,10 +79,18 @@ def load_results(path):
     return label, d["results"]
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="side-by-side table of eval/harness.py results")
-    p.add_argument("results", nargs="+", help="results JSON files")
-    p.add_argument("--labels", default=None, help="comma list, one label per file")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p.add_argument("results", nargs="+", help="results JSON files (eval/harness.py --output, or lm-eval's own)")
+    p.add_argument("--labels", default=None, help="comma list, one label per file (default: each file's label)")
     p.add_argument("--output", default=None, help="also write the markdown table here")
     args = p.parse_args(argv)
     rows = [load_results(f) for f in args.results]

@@ -399,7 +399,11 @@ def _parse_limit(s):
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the usage lines' layout and shows every default."""
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
 
 
 def main(argv=None):
@@ -414,21 +418,21 @@ def main(argv=None):
     p.add_argument("--batch_size", type=int, default=64, help="requests per forward pass")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--limit", type=_parse_limit, default=None,
-                   help="examples per task (a fraction if < 1; None: all); for smoke tests only")
-    p.add_argument("--output", default=None, help="results JSON (None: eval.json beside --ckpt)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer file (None: tokenizer.py's Mistral model)")
+                   help="examples per task (a fraction if < 1; default: all); for smoke tests only")
+    p.add_argument("--output", default=None, help="results JSON (default: eval.json beside --ckpt)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's Mistral model)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="autocast dtype on CUDA (CPU runs float32)")
-    p.add_argument("--max_length", type=int, default=None, help="context window (None: block_size)")
+    p.add_argument("--max_length", type=int, default=None, help="context window (default: the model's block_size)")
     p.add_argument("--backend", default=None, choices=["naive", "chunk", "triton"],
-                   help="recurrence backend (None: triton on CUDA, else chunk)")
+                   help="recurrence backend (default: triton on CUDA, else chunk)")
     p.add_argument("--no_prefix", action="store_true",
                    help="do not start every request with the document-start token")
     p.add_argument("--prefix_id", type=int, default=None,
-                   help="document-start token id (None: the tokenizer's EOS, train.bin's separator)")
+                   help="document-start token id (default: the tokenizer's EOS, train.bin's separator)")
     p.add_argument("--bootstrap_iters", type=int, default=1000, help="for stderr; 0 = none")
     p.add_argument("--log_samples", action="store_true", help="keep per-example records in the JSON")
-    p.add_argument("--label", default=None, help="row label in the table (None: the ckpt's folder)")
+    p.add_argument("--label", default=None, help="row label in the table (default: the ckpt's folder name)")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     args = p.parse_args(argv)
     if args.batch_size < 1:
