@@ -89,6 +89,13 @@ class PrepareError(Exception):
     pass
 
 
+def warn(msg):
+    """A warning on stderr, the progress bar's stream, through tqdm: the bar is cleared, the line
+    written whole, the bar redrawn (a plain print to stdout lands mid-bar when both are shown)."""
+    from tqdm import tqdm
+    tqdm.write(f"warning: {msg}", file=sys.stderr)
+
+
 # -------------------------------------------------------------------------------------------------
 # arguments
 
@@ -487,6 +494,7 @@ class Output:
 
     def __init__(self, a, fingerprint):
         self.dir = a.out_dir
+        self.created_dir = not os.path.exists(a.out_dir)  # an empty dir made here goes again on error
         self.budget = {"train": a.tokens, "val": a.val_tokens}
         self.progress = os.path.join(self.dir, PROGRESS)
         self.st = {"fingerprint": fingerprint, "stream": 0, "pos": None, "slot_base": 0,
@@ -508,6 +516,7 @@ class Output:
                 self.st = saved
         elif a.resume:
             print(f"--resume: no unfinished run in {self.dir}, starting from the beginning")
+        self.saved = json.loads(json.dumps(self.st))  # what --resume would continue from
 
     def open(self):
         """Open the temp files; on resume cut them back to the last checkpoint."""
@@ -534,6 +543,7 @@ class Output:
             f.flush()
             os.fsync(f.fileno())
         write_json_atomic(self.progress, self.st)
+        self.saved = json.loads(json.dumps(self.st))  # what --resume would continue from
 
     def full(self, s):
         return self.budget[s] is not None and self.st["tokens"][s] >= self.budget[s]
@@ -553,22 +563,27 @@ class Output:
 
     def note_bad(self, where, why, limit):
         self.st["malformed"] += 1
+        if self.st["malformed"] > limit:
+            raise PrepareError(f"malformed record {where}: {why}\n{self.st['malformed']} malformed records, "
+                               f"more than --max_malformed={limit}; stopping")
         if len(self.st["malformed_examples"]) < 10:
             self.st["malformed_examples"].append(f"{where}: {why}")
-            from tqdm import tqdm
-            tqdm.write(f"warning: skipping malformed record {where}: {why}")
-        if self.st["malformed"] > limit:
-            raise PrepareError(f"{where}: {why}\n{self.st['malformed']} malformed records, more than "
-                               f"--max_malformed={limit}; stopping")
+            warn(f"skipping malformed record {where}: {why}")
 
-    def discard_if_empty(self):
-        st = self.st
-        if st["stream"] == 0 and st["pos"] is None and not any(st["tokens"].values()):
-            for f in self.fh.values():
-                f.close()
-            for name in (PROGRESS, "train.bin.tmp", "val.bin.tmp"):
-                if os.path.exists(os.path.join(self.dir, name)):
-                    os.remove(os.path.join(self.dir, name))
+    def discard_unsaved(self):
+        """After an error: if no checkpoint holds any progress, remove what this run wrote (and
+        out_dir itself when the run created it), since there is nothing to resume. -> True if so."""
+        saved = self.saved
+        if saved["stream"] or saved["pos"] is not None or any(saved["tokens"].values()):
+            return False
+        for f in getattr(self, "fh", {}).values():
+            f.close()
+        for name in (PROGRESS, PROGRESS + ".tmp", "train.bin.tmp", "val.bin.tmp"):
+            if os.path.exists(os.path.join(self.dir, name)):
+                os.remove(os.path.join(self.dir, name))
+        if self.created_dir and os.path.isdir(self.dir) and not os.listdir(self.dir):
+            os.rmdir(self.dir)
+        return True
 
     def finish(self, meta):
         """fsync, rename the temp files into place, meta.json last."""
@@ -616,7 +631,11 @@ def prepare(a):
         raise PrepareError(f"vocab size {tok.vocab_size} does not fit uint16")
     k = val_every(a)
     out = Output(a, fingerprint(a, streams, tok, k))
-    check_output_dir(a.out_dir, estimate_bytes(a, streams) - 2 * sum(out.st["tokens"].values()))
+    try:
+        check_output_dir(a.out_dir, estimate_bytes(a, streams) - 2 * sum(out.st["tokens"].values()))
+    except PrepareError:
+        out.discard_unsaved()
+        raise
     out.open()
     st = out.st
     include, exclude = sorted(map(set_name, a.include_sets)), sorted(map(set_name, a.exclude_sets))
@@ -677,8 +696,15 @@ def prepare(a):
         except KeyboardInterrupt:
             raise PrepareError(f"interrupted. The work up to the last checkpoint is kept in {a.out_dir}; "
                                f"continue with --resume")
+        except PrepareError as e:
+            if not out.discard_unsaved():
+                t = out.saved["tokens"]
+                e.args = (f"{e}\nThe work up to the last checkpoint ({t['train']:,} train + {t['val']:,} val "
+                          f"tokens) is kept in {a.out_dir}: continue with --resume once the cause is fixed, or start "
+                          f"over with --overwrite",)
+            raise
         except BaseException:
-            out.discard_if_empty()  # nothing written yet: nothing to resume
+            out.discard_unsaved()  # nothing checkpointed: nothing to resume, nothing left behind
             raise
         finally:
             bar.close()
@@ -687,7 +713,7 @@ def prepare(a):
 
     for s in ("train", "val"):
         if not out.full(s) and out.budget[s] is not None:
-            print(f"warning: the input ran out: {s} has {st['tokens'][s]:,} tokens, budget was {out.budget[s]:,}")
+            warn(f"the input ran out: {s} has {st['tokens'][s]:,} tokens, budget was {out.budget[s]:,}")
     if st["docs"]["train"] == 0:
         raise PrepareError("no documents were tokenized into train.bin (empty input, or everything filtered "
                            f"or malformed: {st['malformed']} malformed, filtered {st['filtered']})")
