@@ -8,7 +8,8 @@ Sample from a trained model (nanoGPT's sample.py, with flags instead of exec'd o
 document-start token (the end-of-document token that separates documents in train.bin), so an
 empty prompt samples a fresh document. Decoding runs through the model's cache: GDN/PRISM layers
 carry their state S and convolution buffers (constant memory in the length), attention layers a
-KV cache. Text is decoded with the Mistral tokenizer (tokenizer.py; --tokenizer overrides).
+KV cache. Text is decoded with the Mistral tokenizer (tokenizer.py; --tokenizer overrides). Each
+sample is printed after a line "=== sample i/n ===".
 
 load_checkpoint() is shared with eval/harness.py.
 """
@@ -136,15 +137,16 @@ def main(argv=None):
               "were not trained at these positions", file=sys.stderr)
     x = torch.tensor([ids], dtype=torch.long, device=args.device)
     with ctx:
-        for _ in range(args.num_samples):
+        for i in range(args.num_samples):
+            # a header line the model does not write (it can write a line of dashes)
+            print(f"=== sample {i + 1}/{args.num_samples} ===")
             with torch.no_grad():
                 y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k or None)
             out = y[0, 1:].tolist()  # drop the document-start token
             if tok.eos_id in out[len(ids) - 1:]:  # stop at the end of the document
                 out = out[:out.index(tok.eos_id, len(ids) - 1)]
-            print(tok.decode(out))
-            print("---------------")
+            print(tok.decode(out), flush=True)
 
 
 if __name__ == "__main__":

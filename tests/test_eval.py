@@ -594,8 +594,10 @@ def test_sample_script(tmp_path, capsys):
     args = ["--ckpt", str(ck), "--start", f"FILE:{prompt}", "--num_samples", "2",
             "--max_new_tokens", "5", "--temperature", "0", "--device", "cpu", "--tokenizer", tok_path]
     sample.main(args)
-    out = capsys.readouterr().out.split("---------------\n")
-    assert len(out) == 3 and out[0] == out[1]  # greedy: both samples identical
+    printed = capsys.readouterr().out
+    assert re.findall(r"^=== sample (\d)/(\d) ===$", printed, re.M) == [("1", "2"), ("2", "2")]
+    out = re.split(r"^=== sample \d/2 ===\n", printed, flags=re.M)[1:]
+    assert len(out) == 2 and out[0] == out[1]  # greedy: both samples identical
     assert out[0].startswith("The capital of France is")
     # the same tokens as greedy decoding by hand through the full forward
     ids = [tok.eos_id] + tok.encode("The capital of France is")
