@@ -68,3 +68,22 @@ def test_help_shows_every_default(script, capsys, monkeypatch):
         assert block, f"{script}: {opt} is not in --help"
         shown = " ".join(block.group(0).split())
         assert "default" in shown, f"{script} --help: {opt} does not show its default"
+
+
+def test_one_thread_fixture_is_defined_once():
+    """conftest.py's one_thread is the only one: a test file's own copy would shadow it."""
+    tests = os.path.join(ROOT, "tests")
+    defined = []
+    for f in sorted(os.listdir(tests)):
+        if f.endswith(".py"):
+            for node in ast.walk(ast.parse(open(os.path.join(tests, f)).read())):
+                if isinstance(node, ast.FunctionDef) and node.name == "one_thread":
+                    defined.append(f)
+    assert defined == ["conftest.py"]
+
+
+def test_pytest_ini_says_gpu_tests_are_deselected():
+    ini = open(os.path.join(ROOT, "pytest.ini")).read()
+    gpu = re.search(r"^\s*gpu:(.*)$", ini, re.M).group(1)
+    assert "deselected on CPU" in gpu and "skipped" not in gpu
+    assert re.search(r"^addopts\s*=.*-m \"not gpu\"", ini, re.M)
