@@ -87,3 +87,44 @@ def test_pytest_ini_says_gpu_tests_are_deselected():
     gpu = re.search(r"^\s*gpu:(.*)$", ini, re.M).group(1)
     assert "deselected on CPU" in gpu and "skipped" not in gpu
     assert re.search(r"^addopts\s*=.*-m \"not gpu\"", ini, re.M)
+
+
+def _tracked_text_files():
+    for dirpath, dirnames, files in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("out", "data", "__pycache__")
+                       or d == ".ci"]
+        for f in files:
+            if f.endswith((".py", ".md", ".sh", ".ini", ".txt")) or f == "run":
+                yield os.path.join(dirpath, f)
+
+
+DOCS = ["README.md", "BENCHMARKS.md", "PRISM_SPEC.md", "bench/KERNEL_NOTES.md"]
+
+
+def test_spec_sections_cited_in_the_code_exist():
+    """`PRISM_SPEC.md §2.3` anywhere in the repo names a section the spec in the repo has."""
+    spec = open(os.path.join(ROOT, "PRISM_SPEC.md")).read()
+    sections = set(re.findall(r"^#+ (\d+(?:\.\d+)*)\.? ", spec, re.M))
+    cited = {}
+    for f in _tracked_text_files():
+        for n in re.findall(r"PRISM_SPEC(?:\.md)?,? §(\d+(?:\.\d+)*)", open(f, errors="replace").read()):
+            cited.setdefault(n, os.path.relpath(f, ROOT))
+    assert cited and not {n: f for n, f in cited.items() if n not in sections}
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_links_and_paths_resolve_in_a_clone(doc):
+    """Markdown links and the repo paths a document names (`bench/results/x.json`) all exist
+    inside the repo: nothing points outside it (../shared) or at a file that is gone."""
+    text = open(os.path.join(ROOT, doc)).read()
+    base = os.path.dirname(os.path.join(ROOT, doc))
+    missing = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if not re.match(r"[a-z]+://", target):
+            path = os.path.normpath(os.path.join(base, target))
+            if not path.startswith(ROOT + os.sep) or not os.path.exists(path):
+                missing.append(target)
+    for path in re.findall(r"`((?:bench|config|data|eval|tests)/[\w./-]+\.(?:py|sh|json|jsonl|log|txt|png|md))", text):
+        if "*" not in path and "<" not in path and not os.path.exists(os.path.join(ROOT, path)):
+            missing.append(path)
+    assert not missing, f"{doc} names what a clone does not have: {missing}"
