@@ -1,6 +1,7 @@
 """
-An offline English corpus for the small real-text comparison (issue 7), built from Debian
-packages and written as SlimPajama-style .jsonl.zst shards that data/prepare_slimpajama.py reads.
+An offline English corpus for the small real-text comparison (bench/realtext.sh), built from
+Debian packages and written as SlimPajama-style .jsonl.zst shards that data/prepare_slimpajama.py
+reads. Runs on the CPU of a Debian system; writes --out and --record.
 
 On Debian 12 (bookworm), as root (about 100 MB to download, 0.5 GB installed):
 
@@ -18,8 +19,7 @@ On Debian 12 (bookworm), as root (about 100 MB to download, 0.5 GB installed):
         --val_tokens 0 --num_proc 2 --out_dir /tmp/realtext_all
     python bench/realtext_corpus.py --record_prepared /tmp/realtext_all --record_key whole_corpus
 
-25M + 1M tokens are 52 MB of .bin: with the repo they stay under the device tool's 64 MiB, so
-bench/realtext.sh can carry data/realtext to the GPU.
+25M + 1M tokens are 52 MB of .bin, small enough to copy to a GPU machine with the repo.
 
 Sources (one record per document, meta.redpajama_set_name = the source name):
   bible      King James Bible (bible-kjv, through its `bible` program), one document per chapter
