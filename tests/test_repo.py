@@ -128,3 +128,19 @@ def test_doc_links_and_paths_resolve_in_a_clone(doc):
         if "*" not in path and "<" not in path and not os.path.exists(os.path.join(ROOT, path)):
             missing.append(path)
     assert not missing, f"{doc} names what a clone does not have: {missing}"
+
+
+def test_ci_runs_readme_install_and_test_commands():
+    """README's first commands are install, demo, tests; .ci/run runs the install and the tests
+    word for word, and both pin the torch that requirements.txt pins, with its Triton."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
+    install, demo, tests = [ln.split("#")[0].strip() for ln in block.splitlines() if ln.strip()]
+    ci = [ln.strip() for ln in open(os.path.join(ROOT, ".ci", "run")).read().splitlines()]
+    assert any(ln.startswith(install + " ") or ln == install for ln in ci), install
+    assert any(ln.endswith(" " + tests) for ln in ci), tests
+    req = open(os.path.join(ROOT, "requirements.txt")).read()
+    torch_pin = re.search(r"^torch==([\d.]+)\s*$", req, re.M).group(1)
+    assert f"torch=={torch_pin}" in install
+    assert re.search(r"^triton==3\.7\.1\b", req, re.M)  # the Triton CUDA torch 2.13 pins
+    assert demo.startswith("python ")
