@@ -53,6 +53,10 @@ class ModelConfig:
     solver_keys: str = "own"         # "own" | "shared" | "base"
     solver_mode: str = "gelu"        # "gelu" (Algorithm 1) | "linear" (closed form)
     anchor_conv_size: int = 4
+    # packed documents: train.bin joins them with EOS. reset_at_eos starts a new segment at every
+    # EOS (the EOS is its first token): no state, conv tap or attention reaches across it
+    reset_at_eos: bool = False
+    eos_id: int = 2                  # Mistral's </s>; train.py checks it against the data's meta.json
 
     def __post_init__(self):
         self.attn_layers = tuple(int(i) for i in self.attn_layers)
@@ -65,6 +69,7 @@ class ModelConfig:
             (all(0 <= i < self.n_layer for i in self.attn_layers), f"attn_layers must lie in [0, {self.n_layer})"),
             (self.vocab_size > 0 and self.block_size > 0, "sizes must be positive"),
             (float(self.head_dim * self.expand_v).is_integer(), "head_dim * expand_v must be an integer"),
+            (not self.reset_at_eos or 0 <= self.eos_id < self.vocab_size, "eos_id must lie in [0, vocab_size)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -99,10 +104,37 @@ BACKENDS = ("naive", "chunk", "triton")
 #   q, k [B,T,H,K]  v [B,T,H,V]  g [B,T,H] log-decay (<= 0)  beta [B,T,H]
 #   ke [B,T,H,L-1,K]  ve [B,T,H,L-1,V] (already scaled by the step gates b^(l))
 #   state [B,H,K,V], float32 (float64 when the inputs are float64)
+#   cu_seqlens [N+1] (fla's varlen convention): B == 1 and N sequences lie back to back, sequence
+#   n is tokens cu_seqlens[n]:cu_seqlens[n+1]; no state crosses from one into the next, and
+#   initial_state / the final state are [N,H,K,V]
+
+def each_sequence(fn, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state, output_final_state, **kw):
+    """cu_seqlens for the PyTorch backends: run `fn` on every sequence alone (a host loop; the
+    Triton kernels do it natively)."""
+    bounds = cu_seqlens.tolist()
+    if q.shape[0] != 1 or bounds[0] != 0 or bounds[-1] != q.shape[1] or \
+            any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T = {q.shape[1]} with B == 1, "
+                         f"got {bounds} for B = {q.shape[0]}")
+    N = len(bounds) - 1
+    if initial_state is not None and initial_state.shape[0] != N:
+        raise ValueError(f"initial_state must hold one state per sequence ({N}), got {tuple(initial_state.shape)}")
+    outs, finals = [], []
+    for n in range(N):
+        piece = [None if x is None else x[:, bounds[n]:bounds[n + 1]] for x in (q, k, v, g, beta, ke, ve)]
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, ht = fn(*piece, initial_state=h0, output_final_state=output_final_state, **kw)
+        outs.append(o)
+        finals.append(ht)
+    return torch.cat(outs, 1), (torch.cat(finals) if output_final_state else None)
+
 
 def delta_rule_naive(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                     output_final_state=False):
+                     output_final_state=False, cu_seqlens=None):
     """Token by token. The ground truth every other backend is tested against."""
+    if cu_seqlens is not None:
+        return each_sequence(delta_rule_naive, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state,
+                             output_final_state, scale=scale)
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
@@ -135,7 +167,7 @@ def chunk_decay(g, C):
 
 
 def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                     output_final_state=False, chunk_size=64):
+                     output_final_state=False, chunk_size=64, cu_seqlens=None):
     """Chunk-parallel form of PRISM_SPEC §3 in PyTorch (autograd; any T; CPU or GPU).
 
     Per chunk of C tokens with entering state S0, G = in-chunk cumulative log-decay:
@@ -145,6 +177,9 @@ def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
     The triangular solve is done for all chunks at once (the WY form U = Uh - W S0), so the
     only sequential part is the cheap state pass.
     """
+    if cu_seqlens is not None:
+        return each_sequence(delta_rule_chunk, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state,
+                             output_final_state, scale=scale, chunk_size=chunk_size)
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
     C = chunk_size
@@ -204,17 +239,40 @@ def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
 
 
 def delta_rule(q, k, v, g, beta, ke=None, ve=None, initial_state=None, output_final_state=False,
-               backend="chunk", chunk_size=64):
+               backend="chunk", chunk_size=64, cu_seqlens=None):
     """Dispatch to a backend. One-token steps always take the naive path (it is the cheapest)."""
     if backend == "naive" or q.shape[1] == 1:
         return delta_rule_naive(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                                output_final_state=output_final_state)
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if backend == "chunk":
         return delta_rule_chunk(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                                output_final_state=output_final_state, chunk_size=chunk_size)
+                                output_final_state=output_final_state, chunk_size=chunk_size,
+                                cu_seqlens=cu_seqlens)
     if backend == "triton":
-        return _no_compile(_triton_delta_rule)(q, k, v, g, beta, ke, ve, initial_state, output_final_state)
+        return _no_compile(_triton_delta_rule)(q, k, v, g, beta, ke, ve, initial_state,
+                                               output_final_state, cu_seqlens)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def delta_rule_segments(seg, q, k, v, g, beta, ke=None, ve=None, initial_state=None,
+                        output_final_state=False, **kw):
+    """delta_rule under reset_at_eos: the [B,T] rows, laid back to back as [1,B*T], are cut at
+    seg.cu_seqlens. initial_state [B] (a cache) enters a row's first segment only when that
+    row continues (its first token is no EOS); the final state is each row's last segment's."""
+    B, T = q.shape[:2]
+    keep = seg.cont[:, 0, None, None, None]                            # [B,1,1,1]
+    if T == 1:  # a decode step: each row either continues or starts anew
+        h0 = None if initial_state is None else initial_state * keep
+        return delta_rule(q, k, v, g, beta, ke, ve, initial_state=h0,
+                          output_final_state=output_final_state, **kw)
+    flat = [None if x is None else x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta, ke, ve)]
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.new_zeros(seg.cu_seqlens.numel() - 1, *initial_state.shape[1:])
+        h0 = h0.index_copy(0, seg.first, initial_state * keep)
+    o, ht = delta_rule(*flat, initial_state=h0, output_final_state=output_final_state,
+                       cu_seqlens=seg.cu_seqlens, **kw)
+    return o.view(B, T, *o.shape[2:]), (ht[seg.last] if output_final_state else None)
 
 
 @functools.cache
@@ -224,15 +282,16 @@ def _no_compile(fn):
     return torch.compiler.disable(fn)
 
 
-def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state):
+def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state, cu_seqlens=None):
     from prism_kernel import chunk_prism
+    varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     return chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                       output_final_state=output_final_state)
+                       output_final_state=output_final_state, **varlen)
 
 
-def _triton_conv(x, weight):
+def _triton_conv(x, weight, cu_seqlens=None):
     from prism_kernel import causal_conv
-    return causal_conv(x, weight)
+    return causal_conv(x, weight) if cu_seqlens is None else causal_conv(x, weight, cu_seqlens=cu_seqlens)
 
 
 def default_backend(device):
@@ -243,6 +302,41 @@ def default_backend(device):
         except Exception:
             pass
     return "chunk"
+
+
+@dataclass
+class Segments:
+    """Where documents start in one forward's tokens idx [B,T] (reset_at_eos): a segment starts
+    at every EOS (its first token) and at every row start. Built once per forward, on the device.
+      pos [B,T]          tokens since the segment start; a row's first segment counts from the
+                         row start (with a cache it continues what the cache holds)
+      cont [B,T] bool    the token lies before the row's first EOS: it continues the cache
+      cu_seqlens [N+1]   int32, segment starts in the rows laid back to back ([B,T] -> [1,B*T]),
+                         then B*T: fla's varlen convention
+      first, last [B]    index of each row's first and last segment
+    """
+    pos: torch.Tensor
+    cont: torch.Tensor
+    cu_seqlens: torch.Tensor
+    first: torch.Tensor
+    last: torch.Tensor
+
+
+def segments_of(idx, eos_id):
+    B, T = idx.shape
+    eos = idx == eos_id
+    start = eos.clone()
+    start[:, 0] = True
+    t = torch.arange(T, device=idx.device)
+    pos = t - torch.where(start, t, 0).cummax(1).values
+    cont = eos.cumsum(1) == 0
+    per_row = start.sum(1)
+    last = per_row.cumsum(0) - 1
+    if T == 1:  # one segment per row: a decode step needs no host sync
+        cu = torch.arange(B + 1, device=idx.device, dtype=torch.int32)
+    else:  # the segment count sizes cu_seqlens: nonzero is this forward's one host sync
+        cu = torch.cat([start.flatten().nonzero().flatten(), t.new_full((1,), B * T)]).int()
+    return Segments(pos, cont, cu, last - per_row + 1, last)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,7 +351,8 @@ class RMSNorm(nn.RMSNorm):
 
 class ShortConv(nn.Module):
     """Causal depthwise conv over time, then SiLU. With a cache it continues from the last w-1
-    inputs; fused=True runs prism_kernel.causal_conv (Triton, [B,T,C] in place, no cache)."""
+    inputs; fused=True runs prism_kernel.causal_conv (Triton, [B,T,C] in place, no cache).
+    With `seg` (reset_at_eos) no tap reaches back across a segment start."""
 
     def __init__(self, channels, width):
         super().__init__()
@@ -265,18 +360,33 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, width))
         nn.init.uniform_(self.weight, -1 / math.sqrt(width), 1 / math.sqrt(width))
 
-    def forward(self, x, cache=None, key=None, fused=False):  # x [B,T,C]
+    def forward(self, x, cache=None, key=None, fused=False, seg=None):  # x [B,T,C]
+        B, T, C = x.shape
         if fused and cache is None:
-            return _no_compile(_triton_conv)(x, self.weight)
+            if seg is None:
+                return _no_compile(_triton_conv)(x, self.weight)
+            y = _no_compile(_triton_conv)(x.reshape(1, B * T, C), self.weight, seg.cu_seqlens)
+            return y.view(B, T, C)
         w = self.width - 1
         past = cache.get(key) if cache is not None else None
         if past is None:
-            past = x.new_zeros(x.shape[0], w, x.shape[2])
+            past = x.new_zeros(B, w, C)
         xp = torch.cat([past.to(x.dtype), x], 1)
-        if cache is not None:
-            cache[key] = xp[:, xp.shape[1] - w:].detach()
-        y = F.conv1d(xp.transpose(1, 2), self.weight.to(x.dtype)[:, None, :], groups=x.shape[2])
-        return F.silu(y.transpose(1, 2))
+        if seg is None:
+            if cache is not None:
+                cache[key] = xp[:, xp.shape[1] - w:].detach()
+            y = F.conv1d(xp.transpose(1, 2), self.weight.to(x.dtype)[:, None, :], groups=C)
+            return F.silu(y.transpose(1, 2))
+        # tap s (s tokens back) reaches token t only within its segment; tokens that continue a
+        # row see the whole buffer, which holds nothing from before that row's segment start
+        reach = seg.pos.masked_fill(seg.cont, w)                        # [B,T]
+        weight = self.weight.to(x.dtype)
+        y = sum(xp[:, w - s:w - s + T] * weight[:, w - s] * (reach >= s)[..., None].to(x.dtype)
+                for s in range(w + 1))
+        if cache is not None:  # keep only the last segment's inputs: entry i is w-1-i tokens back
+            back = torch.arange(w - 1, -1, -1, device=x.device)
+            cache[key] = (xp[:, xp.shape[1] - w:] * (back <= reach[:, -1:])[..., None]).detach()
+        return F.silu(y)
 
 
 class GatedDeltaNet(nn.Module):
@@ -300,26 +410,26 @@ class GatedDeltaNet(nn.Module):
         dt = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
 
-    def solver_write(self, x, k, v, cache=None, fused=False):
+    def solver_write(self, x, k, v, cache=None, fused=False, seg=None):
         return None, None
 
-    def forward(self, x, cache=None, backend="chunk", chunk_size=64):
+    def forward(self, x, cache=None, backend="chunk", chunk_size=64, seg=None):
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         fused = backend == "triton"   # Triton short conv too (ShortConv keeps torch's for a cache)
-        q, k, v = self.conv(qkv, cache, "conv", fused).split([H * K, H * K, H * V], -1)
+        q, k, v = self.conv(qkv, cache, "conv", fused, seg).split([H * K, H * K, H * V], -1)
         v = v.view(B, T, H, V)
         # autocast runs normalisation in float32; hand the recurrence one dtype
         q = F.normalize(q.view(B, T, H, K), dim=-1).to(v.dtype)
         k = F.normalize(k.view(B, T, H, K), dim=-1).to(v.dtype)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
-        ke, ve = self.solver_write(x, k, v, cache, fused)
+        ke, ve = self.solver_write(x, k, v, cache, fused, seg)
         state = cache.get("state") if cache is not None else None
-        o, state = delta_rule(q, k, v, g, beta, ke, ve, initial_state=state,
-                              output_final_state=cache is not None, backend=backend,
-                              chunk_size=chunk_size)
+        rule = delta_rule if seg is None else functools.partial(delta_rule_segments, seg)
+        o, state = rule(q, k, v, g, beta, ke, ve, initial_state=state,
+                        output_final_state=cache is not None, backend=backend, chunk_size=chunk_size)
         if cache is not None:
             cache["state"] = state.detach()
         o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
@@ -348,12 +458,12 @@ class PRISM(GatedDeltaNet):
         self.gain_up = nn.ModuleList(nn.Linear(r, H * V, bias=False) for _ in range(n_gains))
         self.step_proj = nn.Linear(D, H * (L - 1), bias=False)   # b^(l), per head and step
 
-    def solver_write(self, x, k, v, cache=None, fused=False):
+    def solver_write(self, x, k, v, cache=None, fused=False, seg=None):
         """Returns ke [B,T,H,L-1,K] and ve = b * delta [B,T,H,L-1,V] (PRISM_SPEC §2.2)."""
         if self.L == 1:
             return None, None
         cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
-        a = self.anchor_conv(x, cache, "anchor", fused) if cfg.solver_anchor else F.silu(x)
+        a = self.anchor_conv(x, cache, "anchor", fused, seg) if cfg.solver_anchor else F.silu(x)
         z = self.solver_down(a).split(cfg.solver_rank, -1)
         u = self.u_up(z[0]).view(B, T, H, V)                      # proxy of S_{t-1} k_t
         r = v - u                                                 # residual after GDN's write
@@ -379,17 +489,19 @@ class PRISM(GatedDeltaNet):
 
 
 def rope(x, pos, theta):
-    """Rotary embedding on [B,T,H,D] at integer positions pos [T] (half-split convention)."""
+    """Rotary embedding on [B,T,H,D] at integer positions pos [T] or [B,T] (half-split convention)."""
     D = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    ang = pos.float()[:, None] * inv[None]
-    cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
+    ang = pos.float()[..., None] * inv
+    cos, sin = ang.cos().unsqueeze(-2), ang.sin().unsqueeze(-2)       # [(B,)T,1,D/2]
     x1, x2 = x.float().chunk(2, -1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
 class Attention(nn.Module):
-    """Causal softmax attention with RoPE; FlashAttention when importable, else SDPA."""
+    """Causal softmax attention with RoPE; FlashAttention when importable, else SDPA.
+    With `seg` (reset_at_eos) it is document-causal and positions restart at every segment
+    start, so a segment's q and k are bitwise those of its tokens run alone."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -397,22 +509,38 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
-    def forward(self, x, cache=None, backend=None, chunk_size=None):  # recurrence options unused
+    def forward(self, x, cache=None, backend=None, chunk_size=None, seg=None):  # recurrence options unused
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.hd).unbind(2)
         past = cache["k"].shape[1] if cache is not None and "k" in cache else 0
         pos = torch.arange(past, past + T, device=x.device)
+        if seg is not None:  # key index where each token's segment begins [B,T]; tokens that
+            # continue their row keep the cache's window start, carried in cache["begin"]
+            begin = torch.where(seg.cont, cache.get("begin", 0) if cache is not None else 0, pos - seg.pos)
+            abs_pos, pos = pos, pos - begin
         q, k = rope(q, pos, self.cfg.rope_theta), rope(k, pos, self.cfg.rope_theta)
         if cache is not None:
             if past:
                 k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
             cache["k"], cache["v"] = k.detach(), v.detach()
+            if seg is not None:
+                cache["begin"] = begin[:, -1:]
         y = None
-        if _flash_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        flash = _flash_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+        if flash and seg is None:
             y = _flash_attn(q, k, v, causal=True)  # bottom-right aligned: right for a cache too
+        elif flash and past == 0:
+            cu = seg.cu_seqlens  # T bounds every segment's length: no host sync for the true maximum
+            y = _flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, T, T,
+                                   causal=True).view(B, T, self.H, self.hd)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            if past == 0:
+            if seg is not None:  # document-causal: query t sees keys begin_t .. t
+                j = torch.arange(past + T, device=x.device)
+                mask = (j <= abs_pos[:, None]) & (j >= begin[..., None])       # [B,T,past+T]
+                with sdpa_kernel(DECODE_SDPA):
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+            elif past == 0:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:  # queries sit at the end of the keys: bottom-right causal mask
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
@@ -424,9 +552,9 @@ class Attention(nn.Module):
 
 
 try:
-    from flash_attn import flash_attn_func as _flash_attn
+    from flash_attn import flash_attn_func as _flash_attn, flash_attn_varlen_func as _flash_attn_varlen
 except Exception:
-    _flash_attn = None
+    _flash_attn = _flash_attn_varlen = None
 from torch.nn.attention import SDPBackend, sdpa_kernel
 DECODE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -459,8 +587,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cache=None, backend="chunk", chunk_size=64):
-        x = x + self.drop(self.mixer(self.norm1(x), cache, backend, chunk_size))
+    def forward(self, x, cache=None, backend="chunk", chunk_size=64, seg=None):
+        x = x + self.drop(self.mixer(self.norm1(x), cache, backend, chunk_size, seg))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -525,7 +653,9 @@ class Model(nn.Module):
 
     def forward(self, idx, targets=None, cache=None):
         """Logits for every position. With `cache` (from init_cache) the call continues the
-        sequence held in the cache: recurrent state and conv buffers, or the KV cache."""
+        sequence held in the cache: recurrent state and conv buffers, or the KV cache.
+        With config.reset_at_eos every EOS in idx starts a new document (see Segments): a row
+        whose first token is EOS starts afresh, any other continues the cache."""
         # checked where it is free: on CUDA it would sync every step, so train.py scans the data
         # once at start-up and the tokenizers cannot produce ids beyond the vocabulary
         if not idx.is_cuda and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
@@ -533,8 +663,9 @@ class Model(nn.Module):
                              f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.drop(self.wte(idx))
         backend, chunk_size = self.backend, self.chunk_size
+        seg = _no_compile(segments_of)(idx, self.config.eos_id) if self.config.reset_at_eos else None
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i], backend, chunk_size)
+            x = block(x, None if cache is None else cache[i], backend, chunk_size, seg)
         logits = self.lm_head(self.norm_f(x))
         loss = None
         if targets is not None:

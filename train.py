@@ -201,6 +201,17 @@ def open_data(cfg):
     return paths, meta
 
 
+def data_eos_id(meta, model_args):
+    """reset_at_eos cuts at the data's EOS: meta.json's eos_id, unless the config names another."""
+    eos, ours = meta.get("eos_id"), model_args["eos_id"]
+    if not model_args["reset_at_eos"] or eos is None or eos == ours:
+        return ours
+    if ours != MODEL_DEFAULTS["eos_id"]:
+        raise UserError(f"reset_at_eos: meta.json has eos_id {eos}, the config eos_id {ours}; "
+                        f"drop --eos_id or set --eos_id={eos}")
+    return eos
+
+
 def check_data_meta(meta, model_args, ckpt_meta=None):
     """Refuse data whose vocab (or, on resume, tokenizer) differs from the model's."""
     problems = []
@@ -355,6 +366,8 @@ def load_latest_checkpoint(out_dir, log=print):
 
 
 def check_resume_model_args(ckpt_args, model_args):
+    # a key the checkpoint lacks is newer than it: the checkpoint ran with its default
+    ckpt_args = {**MODEL_DEFAULTS, **ckpt_args}
     diff = [f"{k} (checkpoint {ckpt_args.get(k)!r}, now {v!r})" for k, v in model_args.items()
             if _norm(ckpt_args.get(k)) != _norm(v)]
     if diff:
@@ -468,6 +481,7 @@ def train(cfg):
     except (ValueError, TypeError) as e:
         raise UserError(str(e))
     paths, meta = open_data(cfg)
+    model_args["eos_id"] = data_eos_id(meta, model_args)
     n_train = os.path.getsize(paths["train"]) // 2
     n_val = os.path.getsize(paths["val"]) // 2
     check_data_meta(meta, model_args)
