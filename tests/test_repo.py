@@ -25,6 +25,7 @@ SCRIPTS = {
     "bench/bench_prepare.py": ("main", []),
     "bench/realtext_corpus.py": ("main", []),
     "bench/profile_model.py": ("main", ["Needs a CUDA GPU"]),
+    "bench/bench_varlen.py": ("main", ["Needs a CUDA GPU"]),
 }
 
 
