@@ -1,27 +1,39 @@
 """
 Training throughput: tokens/s, MFU and peak memory of full training steps (forward, backward,
-AdamW) after warm-up, nanoGPT's bench.py grown into a side-by-side table.
+grad clip, AdamW) after warm-up; nanoGPT's bench.py grown into a side-by-side table.
 
-One configuration (same config files and --key=value overrides as train.py):
+One configuration (config files and --key=value overrides as for train.py):
     python bench.py config/prism_130m.py --batch_size=16 --block_size=2048 --compile=True
-The comparison table (every row measured in the same process, same GPU):
-    python bench.py --suite --out=bench/results/train_bench.json [--seqlens=2048,8192,16384]
-        [--tokens_per_step=32768] [--steps=10] [--compile] [--backends=triton,chunk] [--models=gdn,fla]
-Rows: transformer, GDN, PRISM L=2 and L=3, hybrid, and flash-linear-attention's
-GatedDeltaNetForCausalLM of the same shape (when `fla` is importable) as the peer.
+The comparison table, every row measured in one process on one GPU:
+    python bench.py --suite --compile --seqlens=2048,8192,16384 --out=bench/results/train_bench.json
+The loss alone, B*T=32768 rows, D=768, V=32000, bf16 autocast: our chunked linear cross-entropy
+at several chunk sizes against the plain float32-logits path, fla's FusedLinearCrossEntropyLoss,
+fla's FusedCrossEntropyLoss (its model's default) and Liger-Kernel's, where importable:
+    python bench.py --loss --out=bench/results/loss_bench.json
+
+Suite rows: the 130M config files (transformer with FlashAttention when importable, else SDPA;
+GDN; PRISM L=2 and L=3; hybrid) and flash-linear-attention's GatedDeltaNetForCausalLM of the same
+shape, run as its users run it: its own defaults (fused norm, SwiGLU and cross-entropy), labels
+passed so it computes its loss, eager and compiled. A row that fails (out of memory, a compile
+error) becomes an error row and the suite goes on. Every row's MFU is model.training_flops_per_token
+(6 N per token with N the row's own parameter count, plus the token-mixing matmuls) times
+tokens/s over 989 TFLOP/s. Peak memory is torch.cuda.max_memory_allocated over the timed steps.
+The JSON (--out) is rewritten after every row, so a run cut short keeps what it measured.
 """
 import argparse
+import functools
+import gc
 import json
-import math
 import os
 import platform
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
 
-from model import Model, ModelConfig
+from model import PEAK_FLOPS, Model, ModelConfig, linear_cross_entropy, training_flops_per_token
 from train import UserError, atomic_write, model_args_of, parse_config
 
 # the table's rows: the 130M config files themselves, plus an override where a row differs
@@ -32,6 +44,7 @@ SUITE = [
     ("prism L=3", "config/prism_130m.py", {}),
     ("hybrid (prism L=3 + attn 5,11)", "config/hybrid_130m.py", {}),
 ]
+FLA = "fla GatedDeltaNet"  # the peer's row name (select it with --models=fla)
 
 
 def suite_config(path, over, **kw):
@@ -40,9 +53,13 @@ def suite_config(path, over, **kw):
 
 
 def time_steps(step, warmup, steps, device):
-    """Median seconds of one call of step() after warm-up."""
+    """Median seconds of one call of step() after warm-up; the peak-memory counter is reset
+    after warm-up, so it holds the timed steps' peak (weights, grads and optimizer included)."""
     for _ in range(warmup):
         step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     ts = []
     for _ in range(steps):
         if device.type == "cuda":
@@ -55,44 +72,45 @@ def time_steps(step, warmup, steps, device):
     return ts[len(ts) // 2]
 
 
-def bench_model(model, B, T, vocab, device, steps=10, warmup=3, compile=False, ours=True):
-    """Tokens/s, step time and peak memory of AdamW training steps on random tokens."""
+def autocast(device):
+    return (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+            else torch.autocast("cpu", enabled=False))
+
+
+def bench_model(model, B, T, vocab, device, flops_per_token, steps=10, warmup=3, compile=False,
+                ours=True):
+    """Tokens/s, step time, MFU and peak memory of AdamW training steps on random tokens.
+    ours: model(idx, targets) -> (_, loss); else a Hugging Face causal LM given labels."""
     model = model.to(device).train()
     opt = (model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.type) if ours else
-           torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda"))
+           torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                             fused=device.type == "cuda"))
     fwd = torch.compile(model) if compile else model
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randint(0, vocab, (B, T + 1), device=device, generator=gen)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
-    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-           else torch.autocast("cpu", enabled=False))
 
     def step():
-        with amp:
-            if ours:
-                _, loss = fwd(inp, tgt)
-            else:
-                logits = fwd(input_ids=inp).logits
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+        with autocast(device):
+            # the peer shifts its labels itself (the last position is ignored): same B*T logits
+            loss = fwd(inp, tgt)[1] if ours else fwd(input_ids=inp, labels=inp).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
     dt = time_steps(step, warmup, steps, device)
     row = dict(B=B, T=T, step_ms=round(dt * 1e3, 2), ktok_s=round(B * T / dt / 1e3, 1),
-               params_M=round(sum(p.numel() for p in model.parameters()) / 1e6, 1))
-    if ours:
-        row["mfu"] = round(model.flops_per_token(T) * B * T / dt / 989e12, 4)  # H200 dense bf16
+               params_M=round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+               mfu=round(flops_per_token * B * T / dt / PEAK_FLOPS, 4))
     if device.type == "cuda":
         row["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return row
 
 
 def fla_peer(cfg):
-    """flash-linear-attention's GDN model with our shape (same widths, MLP, tied embeddings)."""
+    """flash-linear-attention's GDN model with our shape (widths, heads, layers, vocab, tied
+    embeddings; its MLP is the same SwiGLU width) and its own defaults for everything else."""
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
     # fla refuses its gated dq/dk backward under Triton 3.4-3.7.0 on Hopper (a miscompile,
     # ANCHORS.md); its speed is unaffected, so lift the guard for timing the peer only.
@@ -103,114 +121,350 @@ def fla_peer(cfg):
         pass
     c = GatedDeltaNetConfig(hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
                             num_heads=cfg.n_head, head_dim=cfg.head_dim, expand_v=cfg.expand_v,
-                            vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings,
-                            fuse_cross_entropy=False)
+                            vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings)
     return GatedDeltaNetForCausalLM(c)
+
+
+def peer_params(model):
+    """The peer's parameters as the FLOPs formula counts them: all (a tied head once), less an
+    untied input table (a lookup does no multiply-adds)."""
+    n = sum(p.numel() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        n -= model.get_input_embeddings().weight.numel()
+    return n
+
+
+def version(pkg):
+    try:
+        from importlib.metadata import version as v
+        return v(pkg)
+    except Exception:
+        return None
 
 
 def env_info(device):
     info = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
                 python=platform.python_version(), device=str(device))
     if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(0)
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except Exception:
-        pass
+        info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda)
+    for key, pkg in [("triton", "triton"), ("fla", "flash-linear-attention"),
+                     ("fla_core", "fla-core"), ("liger_kernel", "liger-kernel"),
+                     ("flash_attn", "flash-attn")]:
+        if version(pkg):
+            info[key] = version(pkg)
     return info
 
 
+class Results:
+    """Rows printed as they come and the JSON rewritten after each one."""
+
+    def __init__(self, path, device, **meta):
+        self.path, self.rows = path, []
+        self.head = dict(env=env_info(device), **meta)
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def add(self, row):
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        if self.path:
+            atomic_write(self.path, json.dumps(dict(self.head, rows=self.rows), indent=1).encode())
+
+
+def error_text(e):
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return "out of memory"
+    if isinstance(e, ImportError):
+        return f"not importable: {e}"
+    traceback.print_exc()
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_row(results, device, fields, build):
+    """build() -> row dict; an exception becomes an error row and the suite goes on."""
+    try:
+        row = build()
+    except Exception as e:
+        row = dict(error=error_text(e))
+    results.add({**fields, **row})
+    torch._dynamo.reset() if fields.get("compile") else None  # compiled graphs of this model go
+    free(device)
+
+
 def run_suite(args, device):
-    rows = []
-    def emit(r):  # the JSON is rewritten after every row: a run cut short keeps what it measured
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-        if args.out:
-            result = dict(env=env_info(device), tokens_per_step=args.tokens_per_step, rows=rows)
-            atomic_write(args.out, json.dumps(result, indent=1).encode())
-
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    res = Results(args.out, device, tokens_per_step=args.tokens_per_step, steps=args.steps,
+                  warmup=args.warmup, activation_checkpointing=args.activation_checkpointing)
     wanted = lambda name: args.models is None or any(name.startswith(m) for m in args.models)
-
+    from model import _flash_attn
     for T in args.seqlens:
         B = max(1, args.tokens_per_step // T)
-        jobs = [(name, path, over, be) for name, path, over in SUITE for be in args.backends
-                if wanted(name) and not ("transformer" in path and be != args.backends[0])]
-        for name, path, over, backend in jobs:
-            cfg = suite_config(path, over, block_size=T)
-            attn = cfg.mixer == "attention"
-            try:
-                torch.manual_seed(0)
-                r = bench_model(Model(cfg, backend=backend), B, T, cfg.vocab_size, device, args.steps, args.warmup,
-                                args.compile)
-                emit(dict(model=name, backend="sdpa" if attn else backend,
-                          compile=args.compile, **r))
-            except torch.cuda.OutOfMemoryError:
-                emit(dict(model=name, backend=backend, B=B, T=T, error="out of memory"))
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+        for name, path, over in SUITE:
+            if not wanted(name):
+                continue
+            attn = "transformer" in name
+            for backend in args.backends[:1] if attn else args.backends:
+                fields = dict(model=name, backend=("flash" if _flash_attn else "sdpa") if attn else backend,
+                              compile=args.compile, ckpt=args.activation_checkpointing, B=B, T=T)
+
+                def build(path=path, over=over, backend=backend):
+                    cfg = suite_config(path, over, block_size=T)
+                    torch.manual_seed(0)
+                    m = Model(cfg, backend=backend)
+                    m.activation_checkpointing = args.activation_checkpointing
+                    m.fused_loss = args.fused_loss
+                    return bench_model(m, B, T, cfg.vocab_size, device, m.flops_per_token(T),
+                                       args.steps, args.warmup, args.compile)
+                run_row(res, device, fields, build)
         if not wanted("fla"):
             continue
-        try:
-            cfg = suite_config("config/gdn_130m.py", {}, block_size=T)
-            r = bench_model(fla_peer(cfg), B, T, cfg.vocab_size, device, args.steps, args.warmup,
-                            args.compile, ours=False)
-            emit(dict(model="fla GatedDeltaNet (peer)", backend="fla", compile=args.compile, **r))
-        except ImportError as e:
-            print(f"fla peer skipped: {e}", file=sys.stderr)
-        except torch.cuda.OutOfMemoryError:
-            emit(dict(model="fla GatedDeltaNet (peer)", B=B, T=T, error="out of memory"))
-        torch.cuda.empty_cache() if device.type == "cuda" else None
-    return rows
+        for mode in args.fla_modes:
+            fields = dict(model=FLA, backend="fla", compile=mode == "compile", ckpt=False, B=B, T=T)
+
+            def build(mode=mode):
+                cfg = suite_config("config/gdn_130m.py", {}, block_size=T)
+                torch.manual_seed(0)
+                m = fla_peer(cfg)
+                fpt = training_flops_per_token(cfg, T, peer_params(m))
+                return bench_model(m, B, T, cfg.vocab_size, device, fpt, args.steps, args.warmup,
+                                   mode == "compile", ours=False)
+            run_row(res, device, fields, build)
+    return res.rows
 
 
 def table(rows):
-    lines = ["| model | backend | T | B | step ms | ktok/s | x fla | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    peer = {r["T"]: r["ktok_s"] for r in rows if r.get("backend") == "fla" and "ktok_s" in r}
+    """Markdown table; x fla and mem/fla are against the fastest fla row at the same T."""
+    lines = ["| model | backend | compile | ckpt | T | B | step ms | ktok/s | x fla | MFU | peak GiB | mem / fla |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    peer = {}
     for r in rows:
+        if r.get("backend") == "fla" and "ktok_s" in r and r["ktok_s"] > peer.get(r["T"], {}).get("ktok_s", 0):
+            peer[r["T"]] = r
+    for r in rows:
+        head = f"| {r['model']} | {r.get('backend', '')} | {r.get('compile', '')} | {r.get('ckpt', '')} | {r['T']} | {r['B']} |"
         if "error" in r:
-            lines.append(f"| {r['model']} | {r.get('backend', '')} | {r['T']} | {r['B']} | {r['error']} ||||")
+            lines.append(f"{head} {r['error']} |||||||")
             continue
-        ratio = f"{r['ktok_s'] / peer[r['T']]:.2f}" if r["T"] in peer else "-"
-        lines.append(f"| {r['model']} | {r['backend']} | {r['T']} | {r['B']} | {r['step_ms']} | "
-                     f"{r['ktok_s']} | {ratio} | {r.get('mfu', '-')} | {r.get('peak_GiB', '-')} |")
+        p = peer.get(r["T"])
+        speed = f"{r['ktok_s'] / p['ktok_s']:.2f}" if p else "-"
+        mem = (f"{r['peak_GiB'] / p['peak_GiB']:.2f}" if p and "peak_GiB" in r and "peak_GiB" in p
+               else "-")
+        lines.append(f"{head} {r['step_ms']} | {r['ktok_s']} | {speed} | {100 * r['mfu']:.1f}% | "
+                     f"{r.get('peak_GiB', '-')} | {mem} |")
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# the loss alone
+
+def loss_candidates(chunks, ignore_index=-1):
+    """(name, fn(h, w, t) -> loss) for every implementation that imports; (name, error) if not."""
+    out = [("plain: logits, float32 F.cross_entropy",
+            lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t, ignore_index=ignore_index))]
+    out += [(f"ours: linear_cross_entropy chunk={c}", functools.partial(linear_cross_entropy, chunk=c))
+            for c in chunks]
+    try:
+        from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss
+        flce = FusedLinearCrossEntropyLoss(ignore_index=ignore_index)
+        fce = FusedCrossEntropyLoss(ignore_index=ignore_index, inplace_backward=True)
+        out += [("fla FusedLinearCrossEntropyLoss", lambda h, w, t: flce(h, t, w)),
+                ("fla FusedCrossEntropyLoss on bf16 logits (its model's default)",
+                 lambda h, w, t: fce(F.linear(h, w), t))]
+    except Exception as e:
+        out.append(("fla", e))
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, accum_dtype=torch.float32)
+        # Liger wants input and weight in one dtype: the bf16 copies autocast would make
+        out.append(("liger LigerFusedLinearCrossEntropyLoss",
+                    lambda h, w, t: liger(w.to(torch.bfloat16), h.to(torch.bfloat16), t)))
+    except Exception as e:
+        out.append(("liger", e))
+    return out
+
+
+def run_loss(args, device):
+    """Every implementation on the same h [N,D] (float32, as the model's final norm gives it),
+    tied-head weight [V,D] (float32 master) and targets (1 in 8 ignored), under bf16 autocast:
+    forward+backward ms, peak memory above the inputs, and errors against float32 math."""
+    N, D, V = args.loss_rows, args.loss_dim, args.loss_vocab
+    res = Results(args.out, device, N=N, D=D, V=V, steps=args.steps, warmup=args.warmup)
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(N, D, device=device, generator=gen).requires_grad_()
+    w = (torch.randn(V, D, device=device, generator=gen) * 0.02).requires_grad_()
+    t = torch.randint(0, V, (N,), device=device, generator=gen)
+    t[::8] = -1
+    # reference: float32 logits from float32 inputs, no autocast, no TF32
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_loss = F.cross_entropy(h @ w.t(), t, ignore_index=-1)
+    ref = [ref_loss.detach(), *torch.autograd.grad(ref_loss, (h, w))]
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    del ref_loss
+    free(device)
+    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+
+    for name, fn in loss_candidates(args.loss_chunks):
+        fields = dict(impl=name, N=N, D=D, V=V)
+        if isinstance(fn, Exception):
+            res.add({**fields, "error": error_text(fn)})
+            continue
+
+        def step(fn=fn):
+            h.grad = w.grad = None
+            with autocast(device):
+                loss = fn(h, w, t)
+            loss.backward()
+            return loss
+
+        def build():
+            base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+            dt = time_steps(step, args.warmup, args.steps, device)
+            loss = step()
+            row = dict(ms=round(dt * 1e3, 3), loss_err=rel(loss.detach(), ref[0]),
+                       dh_err=rel(h.grad, ref[1]), dw_err=rel(w.grad, ref[2]))
+            if device.type == "cuda":  # peak above the inputs, grads of h and w included
+                row["peak_GiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
+            return row
+        try:
+            row = build()
+        except Exception as e:
+            row = dict(error=error_text(e))
+        h.grad = w.grad = None
+        res.add({**fields, **row})
+        free(device)
+    return res.rows
+
+
+def loss_table(rows):
+    lines = ["| implementation | ms fwd+bwd | peak GiB | loss err | dh err | dW err |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['error']} |||||")
+        else:
+            lines.append(f"| {r['impl']} | {r['ms']} | {r.get('peak_GiB', '-')} | {r['loss_err']:.1e} | "
+                         f"{r['dh_err']:.1e} | {r['dw_err']:.1e} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+
+def flag(text):
+    """--x, --x=True, --x=False"""
+    if isinstance(text, bool):
+        return text
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def checkpointing(text):
+    return "mlp" if text.lower() == "mlp" else flag(text)
+
+
+def optional_flag(text):
+    return None if text.lower() in ("none", "auto") else flag(text)
+
+
+def ints(text):
+    try:
+        return [int(s) for s in text.split(",") if s]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(
+        prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --backend (a train key) must not be taken for --backends
+        usage="bench.py [config files] [--key=value ...] | --suite [options] | --loss [options]",
+        epilog="Without --suite/--loss, the config files and --key=value overrides (train.py's keys: "
+               "batch_size, block_size, backend, ...) describe the one model to time.")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--suite", action="store_true", help="the comparison table (rows above)")
+    mode.add_argument("--loss", action="store_true", help="the loss implementations alone")
+    p.add_argument("--steps", type=int, default=10, metavar="N", help="timed steps (median reported); default 10")
+    p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed steps first (compilation, autotune); default 3")
+    p.add_argument("--out", default=None, metavar="FILE", help="JSON file, rewritten after every row; default "
+                   "bench/results/train_bench.json (--suite), bench/results/loss_bench.json (--loss), "
+                   "none for one configuration")
+    p.add_argument("--compile", type=flag, nargs="?", const=True, default=None, metavar="BOOL",
+                   help="torch.compile our models (suite); one configuration: overrides its compile key")
+    p.add_argument("--activation_checkpointing", type=checkpointing, nargs="?", const=True,
+                   default=None, metavar="True|mlp",
+                   help="our rows: recompute each block (True) or each MLP (mlp) in the backward")
+    p.add_argument("--fused_loss", type=optional_flag, default=None, metavar="BOOL",
+                   help="True/False: force the chunked loss on or off (our rows); default: on CUDA")
+    s = p.add_argument_group("--suite")
+    s.add_argument("--seqlens", type=ints, default=[2048, 8192, 16384], metavar="T,..", help="default 2048,8192,16384")
+    s.add_argument("--tokens_per_step", type=int, default=32768, metavar="N", help="B = this // T; default 32768")
+    s.add_argument("--backends", default=None, metavar="B,..", help="comma list for the recurrent rows; default triton on CUDA, else chunk")
+    s.add_argument("--models", default=None, metavar="NAMES",
+                   help="comma list of row-name prefixes, e.g. 'gdn,prism L=3,fla'; default all")
+    s.add_argument("--fla_modes", default="eager,compile", metavar="MODES", help="the peer's rows; default eager,compile")
+    lo = p.add_argument_group("--loss")
+    lo.add_argument("--loss_rows", metavar="N", type=int, default=32768, help="N = B*T; default 32768")
+    lo.add_argument("--loss_dim", metavar="N", type=int, default=768, help="D; default 768")
+    lo.add_argument("--loss_vocab", metavar="N", type=int, default=32000, help="V; default 32000")
+    lo.add_argument("--loss_chunks", type=ints, default=[1024, 2048, 4096, 8192], metavar="C,..",
+                    help="our chunk sizes to time; default 1024,2048,4096,8192")
+    return p
+
+
 def main(argv):
-    if "--suite" in argv:
-        p = argparse.ArgumentParser()
-        p.add_argument("--suite", action="store_true")
-        p.add_argument("--seqlens", default="2048,8192,16384")
-        p.add_argument("--tokens_per_step", type=int, default=32768)
-        p.add_argument("--backends", default=None, help="comma list; default triton on CUDA")
-        p.add_argument("--steps", type=int, default=10)
-        p.add_argument("--warmup", type=int, default=3)
-        p.add_argument("--compile", action="store_true")
-        p.add_argument("--models", default=None,
-                       help="comma list of row-name prefixes, e.g. 'gdn,prism L=3,fla'; default all")
-        p.add_argument("--out", default=None)
-        args = p.parse_args(argv)
+    args, rest = arg_parser().parse_known_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.suite or args.loss:
+        if rest:
+            raise UserError(f"--suite/--loss take no config files or train keys, got {rest}")
+        args.activation_checkpointing = args.activation_checkpointing or False
+        if args.loss:
+            args.out = args.out or "bench/results/loss_bench.json"
+            print(loss_table(run_loss(args, device)))
+            return
+        args.out = args.out or "bench/results/train_bench.json"
+        args.compile = bool(args.compile)
         args.models = args.models.split(",") if args.models else None
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        args.seqlens = [int(s) for s in args.seqlens.split(",")]
         args.backends = (args.backends.split(",") if args.backends else
                          ["triton" if device.type == "cuda" else "chunk"])
-        rows = run_suite(args, device)
-        print(table(rows))
+        args.fla_modes = [m for m in args.fla_modes.split(",") if m]
+        bad = [m for m in args.fla_modes if m not in ("eager", "compile")]
+        if bad:
+            raise UserError(f"--fla_modes takes eager and/or compile, got {bad}")
+        print(table(run_suite(args, device)))
         return
-    extra = [a for a in argv if a.startswith(("--steps=", "--warmup="))]
-    opts = {a[2:].split("=")[0]: int(a.split("=")[1]) for a in extra}
-    cfg = parse_config([a for a in argv if a not in extra])
-    device = torch.device(cfg["device"] if cfg["device"] != "auto" else
-                          ("cuda" if torch.cuda.is_available() else "cpu"))
-    mcfg = ModelConfig(**model_args_of(cfg))
+    cfg = parse_config(rest)
+    for key in ("compile", "activation_checkpointing"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    if cfg["device"] != "auto":
+        device = torch.device(cfg["device"])
+    try:
+        mcfg = ModelConfig(**model_args_of(cfg))
+    except ValueError as e:
+        raise UserError(str(e))
     torch.manual_seed(cfg["seed"])
-    r = bench_model(Model(mcfg, backend=cfg["backend"]), cfg["batch_size"], mcfg.block_size, mcfg.vocab_size, device,
-                    opts.get("steps", 10), opts.get("warmup", 3), cfg["compile"])
-    print(json.dumps(dict(env=env_info(device), mixer=mcfg.mixer, backend=cfg["backend"], **r)))
+    m = Model(mcfg, backend=cfg["backend"], chunk_size=cfg["chunk_size"])
+    m.activation_checkpointing = cfg["activation_checkpointing"]
+    m.fused_loss = args.fused_loss
+    T = mcfg.block_size
+    r = bench_model(m, cfg["batch_size"], T, mcfg.vocab_size, device, m.flops_per_token(T),
+                    args.steps, args.warmup, cfg["compile"])
+    row = dict(env=env_info(device), mixer=mcfg.mixer, backend=m.backend, compile=cfg["compile"],
+               ckpt=cfg["activation_checkpointing"], **r)
+    print(json.dumps(row))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        atomic_write(args.out, json.dumps(row, indent=1).encode())
 
 
 if __name__ == "__main__":

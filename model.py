@@ -6,6 +6,7 @@ Read top to bottom:
   2. the recurrence              delta_rule_naive (ground truth) / delta_rule_chunk / triton hook
   3. mixers                      GatedDeltaNet -> PRISM (the solver write) ; Attention
   4. Block, Model                pre-norm residual stack, loss, cache decoding, optimizer, MFU
+  5. training arithmetic         chunked linear cross-entropy (no full logits), FLOPs per token
 
 The PRISM update lives in one place: `PRISM.solver_write` (PRISM_SPEC.md §2). It turns the
 layer input into L-1 extra (key, value) pairs per token; the recurrence writes them into the
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,13 +412,20 @@ class GatedDeltaNet(nn.Module):
         dt = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
 
+    def qkv_proj(self, x):
+        """q|k|v in one GEMM: the three weights are concatenated (a few MB), not the three
+        [B,T,*] outputs; the parameters keep their names, so checkpoints load unchanged."""
+        ps = (self.q_proj, self.k_proj, self.v_proj)
+        bias = torch.cat([p.bias for p in ps]) if self.cfg.bias else None
+        return F.linear(x, torch.cat([p.weight for p in ps]), bias)
+
     def solver_write(self, x, k, v, cache=None, fused=False, seg=None):
         return None, None
 
     def forward(self, x, cache=None, backend="chunk", chunk_size=64, seg=None):
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        qkv = self.qkv_proj(x)
         fused = backend == "triton"   # Triton short conv too (ShortConv keeps torch's for a cache)
         q, k, v = self.conv(qkv, cache, "conv", fused, seg).split([H * K, H * K, H * V], -1)
         v = v.view(B, T, H, V)
@@ -569,8 +578,14 @@ class MLP(nn.Module):
         self.w_gate = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.w_up = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.w_down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.recompute = False  # Model.activation_checkpointing = "mlp" sets it
 
     def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():  # keep x, not the [B,T,hidden] pair
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
@@ -595,16 +610,23 @@ class Block(nn.Module):
 class Model(nn.Module):
     """`backend` ("naive" | "chunk" | "triton" | None = Triton on CUDA when importable, else chunk)
     and `chunk_size` (the PyTorch chunk backend's chunk length; the Triton kernels use 64) are
-    run-time choices that compute the same function: attributes, not hyperparameters."""
+    run-time choices that compute the same function: attributes, not hyperparameters. So are
+    `activation_checkpointing` (True: every block keeps only its input and is rerun in the
+    backward; "mlp": only the MLPs are, the cheap-to-recompute half holding the widest
+    activations; False: nothing is recomputed) and `fused_loss` (True: the loss is
+    linear_cross_entropy, which never holds the [B*T, vocab] logits; None = on CUDA; False:
+    logits, then F.cross_entropy)."""
 
     def __init__(self, config, backend=None, chunk_size=64):
         super().__init__()
         self.config = cfg = config
         self.backend = backend
         self.chunk_size = chunk_size
+        self.fused_loss = None
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.activation_checkpointing = False
         self.norm_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -642,6 +664,18 @@ class Model(nn.Module):
         self._backend = name
 
     @property
+    def activation_checkpointing(self):
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, mode):
+        if mode not in (False, True, "mlp"):
+            raise ValueError(f"activation_checkpointing must be False, True or 'mlp', got {mode!r}")
+        self._checkpointing = mode
+        for b in self.blocks:
+            b.mlp.recompute = mode == "mlp"
+
+    @property
     def chunk_size(self):
         return self._chunk_size
 
@@ -651,8 +685,11 @@ class Model(nn.Module):
             raise ValueError(f"chunk_size must be a positive int, got {c!r}")
         self._chunk_size = c
 
-    def forward(self, idx, targets=None, cache=None):
-        """Logits for every position. With `cache` (from init_cache) the call continues the
+    def forward(self, idx, targets=None, cache=None, return_logits=False):
+        """Returns (logits, loss). Without `targets`: the logits [B,T,V] of every position and
+        loss None. With `targets` [B,T]: the mean cross-entropy over the targets that are not -1,
+        and logits None unless return_logits=True (the fused loss never builds them; asking for
+        them takes the plain path). With `cache` (from init_cache) the call continues the
         sequence held in the cache: recurrent state and conv buffers, or the KV cache.
         With config.reset_at_eos every EOS in idx starts a new document (see Segments): a row
         whose first token is EOS starts afresh, any other continues the cache."""
@@ -664,14 +701,25 @@ class Model(nn.Module):
         x = self.drop(self.wte(idx))
         backend, chunk_size = self.backend, self.chunk_size
         seg = _no_compile(segments_of)(idx, self.config.eos_id) if self.config.reset_at_eos else None
+        recompute = self._checkpointing is True and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i], backend, chunk_size, seg)
-        logits = self.lm_head(self.norm_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=-1)
-        return logits, loss
+            if recompute:  # keep only the block's input; rerun the block in the backward
+                x = checkpoint(block, x, None, backend, chunk_size, seg, use_reentrant=False)
+            else:
+                x = block(x, None if cache is None else cache[i], backend, chunk_size, seg)
+        x = self.norm_f(x)
+        if targets is None:
+            return self.lm_head(x), None
+        fused = self.fused_loss if self.fused_loss is not None else x.is_cuda
+        if fused and not return_logits:
+            loss = _no_compile(linear_cross_entropy)(x.flatten(0, 1), self.lm_head.weight,
+                                                      targets.reshape(-1))
+            return None, loss
+        logits = self.lm_head(x)
+        acc = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 in tests
+        loss = F.cross_entropy(logits.flatten(0, 1).to(acc), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX)
+        return (logits if return_logits else None), loss
 
     def init_cache(self, batch_size=None):
         """One dict per layer, filled lazily by the mixers (state S + conv buffers, or K/V).
@@ -707,26 +755,128 @@ class Model(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     def flops_per_token(self, T=None):
-        """Training FLOPs per token (forward + backward = 3x forward).
-        Matmuls: 6 N (N includes the LM head once). Mixers, per layer and token:
-        attention 2*2*T*D/2 (causal QK^T and AV); GDN/PRISM chunk form with C-token chunks and
-        L write rows per token: intra-chunk C*(K(L+1) + V L)/2... approximated as
-        2*(C*K*L + C*V*L + 3*K*V*L) per head."""
+        """Training FLOPs per token at context T (default block_size): training_flops_per_token
+        with this model's parameters (a tied head counts once, an untied input table not at all)."""
         cfg = self.config
-        T = T or cfg.block_size
-        N = self.num_params(non_embedding=False)
-        fwd = 2 * N
-        for b in self.blocks:
-            if b.mixer_name == "attention":
-                fwd += 2 * T * cfg.n_embd        # QK^T + AV under a causal mask (half of 4TD)
-            else:
-                L = cfg.solver_steps if b.mixer_name == "prism" else 1
-                C, K, V = 64, cfg.head_dim, cfg.value_dim  # the Triton kernels' chunk
-                fwd += cfg.n_head * 2 * (C * K * L + C * V * L + 3 * K * V * L)
-        return 3 * fwd
+        n = self.num_params(non_embedding=not cfg.tie_embeddings)
+        return training_flops_per_token(cfg, T or cfg.block_size, n)
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=989e12):
-        """Model FLOPs utilisation; peak = H100/H200 dense bf16 (989 TFLOP/s)."""
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=None):
+        """Model FLOPs utilisation of fwdbwd_per_iter sequences of block_size tokens in dt
+        seconds, against `peak_flops` (default PEAK_FLOPS: H100/H200 dense bf16)."""
         T = self.config.block_size
-        flops = self.flops_per_token(T) * T * fwdbwd_per_iter
-        return flops / dt / peak_flops
+        return self.flops_per_token(T) * T * fwdbwd_per_iter / dt / (peak_flops or PEAK_FLOPS)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. training arithmetic: the loss without full logits, and FLOPs per token
+
+IGNORE_INDEX = -1      # targets equal to this are left out of the loss (and of its mean)
+LOSS_CHUNK = 4096      # rows of logits alive at once in linear_cross_entropy
+PEAK_FLOPS = 989e12    # H100 / H200 SXM dense bf16 tensor-core peak, FLOP/s
+
+
+def linear_cross_entropy(h, weight, targets, chunk=None):
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=-1) (the mean over the targets that
+    are not -1; nan when there are none, as there) without ever holding more than `chunk` rows
+    of logits (default LOSS_CHUNK): h [N,D], weight [V,D], targets [N].
+
+    Each chunk of rows gets its logits in the autocast dtype (what nn.Linear would give), a
+    float32 log-sum-exp, its loss, and at once its gradients w.r.t. h and weight (the softmax
+    minus the one-hot, over the number of counted targets); the backward only scales them by
+    the incoming gradient. Memory is O(chunk x V) instead of the four [N,V] float32 tensors of
+    logits.float(), log_softmax and their gradients."""
+    if h.dim() != 2 or weight.dim() != 2 or targets.shape != h.shape[:1] or h.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: need h [N,D], weight [V,D], targets [N]; got "
+                         f"{tuple(h.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}")
+    chunk = LOSS_CHUNK if chunk is None else chunk
+    if not (isinstance(chunk, int) and chunk > 0):
+        raise ValueError(f"linear_cross_entropy: chunk must be a positive int, got {chunk!r}")
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk, dtype, grad)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk, dtype, grad):
+        # needs_input_grad is set under no_grad too: `grad` says whether a backward can come
+        need_h, need_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
+        rows = _compiled_ce_rows() if h.is_cuda else _ce_rows
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(dtype)
+            n = (targets != IGNORE_INDEX).sum()
+            scale = 1.0 / n.clamp(min=1).to(acc)  # a tensor: no host sync
+            loss = torch.zeros((), dtype=acc, device=h.device)
+            dh = torch.empty_like(h) if need_h else None
+            dw = torch.zeros_like(weight) if need_w else None
+            for s in range(0, h.shape[0], chunk):
+                hc = h[s:s + chunk].to(dtype)
+                part, g = rows(hc @ w.t(), targets[s:s + chunk], scale, need_h or need_w)
+                loss = loss + part
+                if need_h:
+                    dh[s:s + chunk] = g @ w
+                if need_w:
+                    dw += g.t() @ hc  # in the autocast dtype, summed in the weight's
+        ctx.save_for_backward(dh, dw)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dh, dw = ctx.saved_tensors
+        dh = dh * dloss.to(dh.dtype) if dh is not None else None
+        dw = dw * dloss.to(dw.dtype) if dw is not None else None
+        return dh, dw, None, None, None, None
+
+
+def _ce_rows(logits, targets, scale, grad):
+    """One chunk: the summed loss of its counted rows and, if grad, scale * (softmax - onehot)
+    in the logits' dtype (zero on rows whose target is IGNORE_INDEX)."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    lse = x.logsumexp(-1)
+    valid = targets != IGNORE_INDEX
+    t = torch.where(valid, targets, 0)
+    picked = x.gather(1, t[:, None])[:, 0]
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    if not grad:
+        return loss, None
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == t[:, None]
+    g = ((x - lse[:, None]).exp() - onehot.to(x.dtype)) * torch.where(valid, scale, 0.0)[:, None]
+    return loss, g.to(logits.dtype)
+
+
+@functools.cache
+def _compiled_ce_rows():
+    # on CUDA one fused reduction and one pointwise kernel per chunk instead of ~8 passes over
+    # [chunk, V] float32; compiled on first use (CPU users pay nothing)
+    return torch.compile(_ce_rows, dynamic=None)
+
+
+def training_flops_per_token(cfg, T, n_params):
+    """FLOPs of one training step per token, forward + backward = 3 x forward, with
+
+      forward = 2 * n_params      every weight does one multiply-add per token (n_params: all
+                                  parameters, a tied head once, an untied input table not at all)
+              + per attention layer   2 * T * D             QK^T and AV under the causal mask
+              + per GDN/PRISM layer   2 * H * (C (3K + 2V) + 3 K V)             (chunk form)
+                                      + 2 * H * (L-1) * (C (2K + 2V) + K V)     (PRISM's rows)
+
+    C = 64 is the Triton kernels' chunk. The GDN term counts the kernels' matmuls per chunk of C
+    tokens and head: K K^T and Q K^T (C^2 K each), the triangular system for W and U (C^2 (K+V)),
+    A U (C^2 V), the state's W S, Q S and K^T U (C K V each). Each extra PRISM row adds its
+    K/Q x Ke^T (2 C^2 K), the products with Ve (2 C^2 V) and its write Ke^T Ve (C K V).
+    The same formula, with the peer's own parameter count, gives every row of bench.py its MFU."""
+    fwd = 2 * n_params
+    D, H, K, V, C = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.value_dim, 64
+    for i in range(cfg.n_layer):
+        mixer = cfg.layer_mixer(i)
+        if mixer == "attention":
+            fwd += 2 * T * D
+        else:
+            rows = cfg.solver_steps - 1 if mixer == "prism" else 0
+            fwd += 2 * H * (C * (3 * K + 2 * V) + 3 * K * V)
+            fwd += 2 * H * rows * (C * (2 * K + 2 * V) + K * V)
+    return 3 * fwd

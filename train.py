@@ -73,6 +73,7 @@ TRAIN_DEFAULTS = dict(
     compile=False,
     backend=None,                    # recurrence: "naive" | "chunk" | "triton"; None = triton on CUDA else chunk
     chunk_size=64,                   # the chunk backend's chunk length (the Triton kernels use 64)
+    activation_checkpointing=False,  # recompute each block in the backward: less memory, ~1/3 more compute
     cpu_threads=0,                   # torch intra-op threads on CPU; 0 = torch's default
     # optional loggers, off by default (the JSONL log in out_dir is always written)
     wandb_log=False,
@@ -515,6 +516,7 @@ def train(cfg):
     except ValueError as e:
         raise UserError(str(e))
     model = model.to(device)
+    model.activation_checkpointing = cfg["activation_checkpointing"]
     optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                            (cfg["beta1"], cfg["beta2"]), device.type)
     random.seed(cfg["seed"] + rank)

@@ -1,4 +1,4 @@
-"""bench.py runs end to end on CPU and reports what it measured."""
+"""bench.py runs end to end on CPU and reports what it measured; the profiler's categories."""
 import json
 import os
 import subprocess
@@ -29,11 +29,73 @@ def test_suite_rows_are_the_config_files():
 
 
 def test_suite_filter_and_json(tmp_path):
+    """Rows are filtered by name; a row that cannot run (here the peer: no GPU, maybe no fla)
+    becomes an error row and the suite still finishes and writes its JSON."""
     out = tmp_path / "suite.json"
     r = subprocess.run([sys.executable, "bench.py", "--suite", "--seqlens=16", "--tokens_per_step=16",
-                        "--models=gdn", "--steps=1", "--warmup=0", f"--out={out}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+                        "--models=gdn,fla", "--fla_modes=eager", "--steps=1", "--warmup=0",
+                        f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    rows = json.load(open(out))["rows"]
-    assert [(x["model"], x["T"], x["B"]) for x in rows] == [("gdn", 16, 1)]
-    assert rows[0]["step_ms"] > 0 and rows[0]["params_M"] > 100
+    result = json.load(open(out))
+    rows = result["rows"]
+    assert [(x["model"], x["T"], x["B"]) for x in rows] == [("gdn", 16, 1), ("fla GatedDeltaNet", 16, 1)]
+    assert rows[0]["step_ms"] > 0 and rows[0]["params_M"] > 100 and 0 <= rows[0]["mfu"] < 1
+    assert "error" in rows[1] and "error" not in rows[0]
+    assert {"date", "torch", "python"} <= set(result["env"])
+    assert "| gdn | chunk |" in r.stdout  # the table
+
+
+def test_help_and_bad_flags():
+    r = subprocess.run([sys.executable, "bench.py", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "--suite" in r.stdout and "--loss" in r.stdout
+    assert "--batch_size" in r.stdout or "batch_size" in r.stdout  # how to time one config
+    r = subprocess.run([sys.executable, "bench.py", "--suite", "--compile=maybe"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--compile" in r.stderr
+
+
+def test_loss_mode_rows_are_measured_and_exact(tmp_path):
+    out = tmp_path / "loss.json"
+    r = subprocess.run([sys.executable, "bench.py", "--loss", "--loss_rows=100", "--loss_dim=8",
+                        "--loss_vocab=50", "--loss_chunks=7,64", "--steps=1", "--warmup=0",
+                        f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {x["impl"]: x for x in json.load(open(out))["rows"]}
+    for name in ("plain: logits, float32 F.cross_entropy", "ours: linear_cross_entropy chunk=7",
+                 "ours: linear_cross_entropy chunk=64"):
+        assert rows[name]["ms"] > 0
+        assert max(rows[name][k] for k in ("loss_err", "dh_err", "dw_err")) < 1e-5
+
+
+def test_table_compares_with_the_fastest_peer_row():
+    sys.path.insert(0, ROOT)
+    import bench
+    rows = [dict(model="gdn", backend="triton", compile=True, ckpt=False, T=2048, B=16, step_ms=1,
+                 ktok_s=300.0, mfu=0.3, peak_GiB=10.0),
+            dict(model="fla GatedDeltaNet", backend="fla", compile=False, ckpt=False, T=2048, B=16,
+                 step_ms=1, ktok_s=200.0, mfu=0.2, peak_GiB=20.0),
+            dict(model="fla GatedDeltaNet", backend="fla", compile=True, ckpt=False, T=2048, B=16,
+                 step_ms=1, ktok_s=250.0, mfu=0.25, peak_GiB=25.0),
+            dict(model="prism L=3", backend="triton", compile=True, ckpt=False, T=2048, B=16,
+                 error="out of memory")]
+    lines = bench.table(rows).splitlines()
+    assert "| 1.20 | 30.0% | 10.0 | 0.40 |" in lines[2]   # 300 / 250, 10 / 25
+    assert "out of memory" in lines[5]
+
+
+def test_kernel_categories():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from profile_model import category
+    assert category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", []) == "matmuls"
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", ["linear_cross_entropy"]) == "matmuls"
+    assert category("triton_red_fused__to_copy_exp_sub_0", ["linear_cross_entropy"]) == "loss"
+    assert category("_fwd_state", ["ChunkPrismFunction"]) == "recurrence kernels"
+    assert category("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", []) == "recurrence kernels"
+    assert category("_conv_bwd_pre", ["CausalConvFunctionBackward"]) == "conv"
+    assert category("triton_per_fused__to_copy_mean_mul_pow_rsqrt_3", []) == "norms"
+    assert category("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", []) == "optimizer"
+    assert category("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>",
+                    ["aten::copy_"]) == "copies/casts"
+    assert category("flash_fwd_kernel", []) == "attention"
+    assert category("triton_poi_fused_mul_silu_4", []) == "other"

@@ -243,7 +243,7 @@ def test_model_triton_backend_matches_chunk(mixer):
     for backend in ("chunk", "triton"):
         model.backend = backend
         model.zero_grad()
-        logits, loss = model(idx, idx)
+        logits, loss = model(idx, idx, return_logits=True)
         loss.backward()
         grads[backend] = (logits.detach(), [p.grad.clone() for p in model.parameters()])
     assert rel_err(grads["triton"][0], grads["chunk"][0]) < 1e-4
