@@ -5,8 +5,9 @@ Read top to bottom:
   1. ModelConfig                 every knob, validated
   2. the recurrence              delta_rule_naive (ground truth) / delta_rule_chunk / triton hook
   3. mixers                      GatedDeltaNet -> PRISM (the solver write) ; Attention
-  4. Block, Model                pre-norm residual stack, loss, cache decoding, optimizer, MFU
+  4. Block, Model                pre-norm residual stack, loss, generate, optimizer, MFU
   5. training arithmetic         chunked linear cross-entropy (no full logits), FLOPs per token
+  6. decoding                    the static Cache, one-GEMM decode weights, sampling, CUDA graphs
 
 The PRISM update lives in one place: `PRISM.solver_write` (PRISM_SPEC.md §2). It turns the
 layer input into L-1 extra (key, value) pairs per token; the recurrence writes them into the
@@ -15,6 +16,7 @@ state without erasing, next to GDN's own delta-rule write:
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T + sum_l ke_t^(l) ve_t^(l)^T
 """
 import functools
+import importlib
 import math
 from dataclasses import dataclass, field, fields
 
@@ -284,22 +286,37 @@ def _no_compile(fn):
     return torch.compiler.disable(fn)
 
 
+def kernels():
+    """prism_kernel (Triton), imported on first use. It is the file beside this one: a top-level
+    module in this repo, a sibling submodule in a directory written by export_hf.py. Imported through
+    importlib, not an import statement: transformers' remote-code loader requires every module that
+    an import statement names to be installed, and this one needs Triton, which CPU users may lack."""
+    return importlib.import_module(f"{__package__}.prism_kernel" if __package__ else "prism_kernel")
+
+
 def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state, cu_seqlens=None):
-    from prism_kernel import chunk_prism
     varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    return chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                       output_final_state=output_final_state, **varlen)
+    return kernels().chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
+                                 output_final_state=output_final_state, **varlen)
 
 
 def _triton_conv(x, weight, cu_seqlens=None):
-    from prism_kernel import causal_conv
-    return causal_conv(x, weight) if cu_seqlens is None else causal_conv(x, weight, cu_seqlens=cu_seqlens)
+    conv = kernels().causal_conv
+    return conv(x, weight) if cu_seqlens is None else conv(x, weight, cu_seqlens=cu_seqlens)
+
+
+def _conv_step(x, buf, weight, reset):
+    return kernels().conv_step(x, buf, weight, reset)
+
+
+def _add_rms_norm(x, y, norm):
+    return kernels().add_rms_norm(x, y, norm.weight, norm.eps)
 
 
 def default_backend(device):
     if device.type == "cuda":
         try:
-            import prism_kernel  # noqa: F401
+            kernels()
             return "triton"
         except Exception:
             pass
@@ -352,9 +369,11 @@ class RMSNorm(nn.RMSNorm):
 
 
 class ShortConv(nn.Module):
-    """Causal depthwise conv over time, then SiLU. With a cache it continues from the last w-1
-    inputs; fused=True runs prism_kernel.causal_conv (Triton, [B,T,C] in place, no cache).
-    With `seg` (reset_at_eos) no tap reaches back across a segment start."""
+    """Causal depthwise conv over time, then SiLU; fused=True runs the Triton kernels
+    (prism_kernel.causal_conv, conv_step with a buffer). With `seg` (reset_at_eos) no tap
+    reaches back across a segment start. With `buf` [B,w-1,C], the last w-1 inputs before x (a
+    cache's), it continues from them and keeps x's last w-1 there; then `reset` [B,T] (the
+    tokens that start a segment) drops every tap from before the latest one at or before a token."""
 
     def __init__(self, channels, width):
         super().__init__()
@@ -362,40 +381,53 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, width))
         nn.init.uniform_(self.weight, -1 / math.sqrt(width), 1 / math.sqrt(width))
 
-    def forward(self, x, cache=None, key=None, fused=False, seg=None):  # x [B,T,C]
+    def forward(self, x, buf=None, reset=None, fused=False, seg=None):  # x [B,T,C]
         B, T, C = x.shape
-        if fused and cache is None:
+        if buf is not None:
+            return _conv_step(x, buf, self.weight, reset) if fused else self.cached(x, buf, reset)
+        if fused:
             if seg is None:
                 return _no_compile(_triton_conv)(x, self.weight)
             y = _no_compile(_triton_conv)(x.reshape(1, B * T, C), self.weight, seg.cu_seqlens)
             return y.view(B, T, C)
         w = self.width - 1
-        past = cache.get(key) if cache is not None else None
-        if past is None:
-            past = x.new_zeros(B, w, C)
-        xp = torch.cat([past.to(x.dtype), x], 1)
-        if seg is None:
-            if cache is not None:
-                cache[key] = xp[:, xp.shape[1] - w:].detach()
-            y = F.conv1d(xp.transpose(1, 2), self.weight.to(x.dtype)[:, None, :], groups=C)
-            return F.silu(y.transpose(1, 2))
-        # tap s (s tokens back) reaches token t only within its segment; tokens that continue a
-        # row see the whole buffer, which holds nothing from before that row's segment start
-        reach = seg.pos.masked_fill(seg.cont, w)                        # [B,T]
+        xp = torch.cat([x.new_zeros(B, w, C), x], 1)
         weight = self.weight.to(x.dtype)
+        if seg is None:
+            y = F.conv1d(xp.transpose(1, 2), weight[:, None, :], groups=C)
+            return F.silu(y.transpose(1, 2))
+        # tap s (s tokens back) reaches token t only within its segment; tokens before a row's
+        # first EOS reach back to the row start, before which there are zeros
+        reach = seg.pos.masked_fill(seg.cont, w)                        # [B,T]
         y = sum(xp[:, w - s:w - s + T] * weight[:, w - s] * (reach >= s)[..., None].to(x.dtype)
                 for s in range(w + 1))
-        if cache is not None:  # keep only the last segment's inputs: entry i is w-1-i tokens back
-            back = torch.arange(w - 1, -1, -1, device=x.device)
-            cache[key] = (xp[:, xp.shape[1] - w:] * (back <= reach[:, -1:])[..., None]).detach()
         return F.silu(y)
+
+    def cached(self, x, buf, reset):
+        """PyTorch's form of prism_kernel.conv_step (CPU, and the PyTorch backends)."""
+        B, T, C = x.shape
+        W, w = self.width, self.width - 1
+        xp = torch.cat([buf.to(x.dtype), x], 1)
+        taps = xp.unfold(1, W, 1)                                   # [B,T,C,W]: tap j is token t-w+j
+        last = xp[:, T:]                                            # the new buffer: tokens T-w .. T-1
+        if reset is not None:  # a tap counts only from its token's segment start on
+            t = torch.arange(T, device=x.device)
+            start = torch.where(reset, t, -W).cummax(1).values      # [B,T]
+            tap_pos = t[:, None] - w + torch.arange(W, device=x.device)
+            taps = taps * (tap_pos >= start[..., None])[:, :, None, :].to(x.dtype)
+            kept = torch.arange(T - w, T, device=x.device) >= start[:, -1:]      # [B,w]
+            last = last * kept[..., None].to(x.dtype)
+        buf.copy_(last)
+        return F.silu((taps * self.weight.to(x.dtype)).sum(-1))
 
 
 class GatedDeltaNet(nn.Module):
-    """PRISM_SPEC §1. `solver_write` is the hook PRISM fills in; for GDN it writes nothing."""
+    """PRISM_SPEC §1. `solver_write` is the hook PRISM fills in; for GDN it writes nothing.
+    `layer_idx` is the layer's entry in a decoding Cache."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer_idx=0):
         super().__init__()
+        self.layer_idx = layer_idx
         D, H, K, V = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.value_dim
         self.cfg, self.H, self.K, self.V = cfg, H, K, V
         self.q_proj = nn.Linear(D, H * K, bias=cfg.bias)
@@ -419,38 +451,70 @@ class GatedDeltaNet(nn.Module):
         bias = torch.cat([p.bias for p in ps]) if self.cfg.bias else None
         return F.linear(x, torch.cat([p.weight for p in ps]), bias)
 
-    def solver_write(self, x, k, v, cache=None, fused=False, seg=None):
+    def cache_buffers(self, batch_size, max_len, device, dtype):
+        """This layer's decoding buffers (Model.init_cache): the state S (float32) and the
+        short convs' last inputs. Neither grows with max_len."""
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        conv = self.conv.weight.shape[0]
+        return {"state": torch.zeros(batch_size, self.H, self.K, self.V, dtype=acc, device=device),
+                "conv": torch.zeros(batch_size, self.conv.width - 1, conv, dtype=dtype, device=device)}
+
+    def solver_write(self, x, k, v, buf=None, reset=None, fused=False, seg=None):
         return None, None
+
+    def solver_step(self, x, buf, reset):
+        return None
 
     def forward(self, x, cache=None, backend="chunk", chunk_size=64, seg=None):
         B, T, _ = x.shape
+        if cache is not None and backend == "triton" and T <= STEP_TOKENS:
+            return self.step(x, cache)
         H, K, V = self.H, self.K, self.V
+        buf = cache.layers[self.layer_idx] if cache is not None else {}
+        reset = cache.reset if cache is not None else None
         qkv = self.qkv_proj(x)
-        fused = backend == "triton"   # Triton short conv too (ShortConv keeps torch's for a cache)
-        q, k, v = self.conv(qkv, cache, "conv", fused, seg).split([H * K, H * K, H * V], -1)
+        fused = backend == "triton"   # Triton short conv too
+        q, k, v = self.conv(qkv, buf.get("conv"), reset, fused, seg).split([H * K, H * K, H * V], -1)
         v = v.view(B, T, H, V)
         # autocast runs normalisation in float32; hand the recurrence one dtype
         q = F.normalize(q.view(B, T, H, K), dim=-1).to(v.dtype)
         k = F.normalize(k.view(B, T, H, K), dim=-1).to(v.dtype)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
-        ke, ve = self.solver_write(x, k, v, cache, fused, seg)
-        state = cache.get("state") if cache is not None else None
+        ke, ve = self.solver_write(x, k, v, buf.get("anchor"), reset, fused, seg)
         rule = delta_rule if seg is None else functools.partial(delta_rule_segments, seg)
-        o, state = rule(q, k, v, g, beta, ke, ve, initial_state=state,
+        o, state = rule(q, k, v, g, beta, ke, ve, initial_state=buf.get("state"),
                         output_final_state=cache is not None, backend=backend, chunk_size=chunk_size)
-        if cache is not None:
-            cache["state"] = state.detach()
+        if cache is not None:  # the cache's buffer keeps its address
+            buf["state"].copy_(state)
         o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
         return self.o_proj(o.reshape(B, T, H * V))
+
+    def step(self, x, cache):
+        """The cached forward of a few tokens on the Triton path (decoding): one GEMM for every
+        input projection, then a kernel each for the short conv, the recurrence (with the q/k
+        norm, the gates and PRISM's solver write inside) and the output norm and gate."""
+        pk = kernels()
+        B, T, _ = x.shape
+        H, K, V = self.H, self.K, self.V
+        buf, C = cache.layers[self.layer_idx], 2 * H * K + H * V
+        parts = (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj)
+        z = F.linear(x, *stacked_weights(self, "in", parts, compute_dtype(x)))
+        qkv = _conv_step(z[..., :C], buf["conv"], self.conv.weight, cache.reset)
+        q, k, v = qkv.split([H * K, H * K, H * V], -1)
+        o, _ = pk.recurrent_prism_step(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V),
+                                       z[..., C:C + H], z[..., C + H:C + 2 * H], state=buf["state"],
+                                       reset=cache.reset, gates=(self.A_log, self.dt_bias),
+                                       solver=self.solver_step(x, buf, cache.reset), l2norm_qk=True)
+        return self.o_proj(pk.gated_rms_norm(o, z[..., C + 2 * H:], self.o_norm.weight, self.o_norm.eps))
 
 
 class PRISM(GatedDeltaNet):
     """PRISM_SPEC §2: GDN's forgetting and write, plus a rank-(L-1) solver correction computed
     from the input alone (an anchor a_t = silu(ShortConv(x))_t standing in for S_{t-1} k_t)."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, layer_idx=0):
+        super().__init__(cfg, layer_idx)
         L, D, H, K, V, r = cfg.solver_steps, cfg.n_embd, self.H, self.K, self.V, cfg.solver_rank
         self.L = L
         if L == 1:
@@ -467,12 +531,19 @@ class PRISM(GatedDeltaNet):
         self.gain_up = nn.ModuleList(nn.Linear(r, H * V, bias=False) for _ in range(n_gains))
         self.step_proj = nn.Linear(D, H * (L - 1), bias=False)   # b^(l), per head and step
 
-    def solver_write(self, x, k, v, cache=None, fused=False, seg=None):
+    def cache_buffers(self, batch_size, max_len, device, dtype):
+        bufs = super().cache_buffers(batch_size, max_len, device, dtype)
+        if self.L > 1 and self.cfg.solver_anchor:
+            w = self.anchor_conv.width - 1
+            bufs["anchor"] = torch.zeros(batch_size, w, self.cfg.n_embd, dtype=dtype, device=device)
+        return bufs
+
+    def solver_write(self, x, k, v, buf=None, reset=None, fused=False, seg=None):
         """Returns ke [B,T,H,L-1,K] and ve = b * delta [B,T,H,L-1,V] (PRISM_SPEC §2.2)."""
         if self.L == 1:
             return None, None
         cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
-        a = self.anchor_conv(x, cache, "anchor", fused, seg) if cfg.solver_anchor else F.silu(x)
+        a = self.anchor_conv(x, buf, reset, fused, seg) if cfg.solver_anchor else F.silu(x)
         z = self.solver_down(a).split(cfg.solver_rank, -1)
         u = self.u_up(z[0]).view(B, T, H, V)                      # proxy of S_{t-1} k_t
         r = v - u                                                 # residual after GDN's write
@@ -496,6 +567,26 @@ class PRISM(GatedDeltaNet):
         ve = torch.stack(deltas, 3) * b[..., None]
         return ke.to(v.dtype), ve.to(v.dtype)
 
+    def solver_step(self, x, buf, reset):
+        """solver_write's projections for the decoding kernel, which forms ke, ve from them
+        (prism_kernel.recurrent_prism_step's `solver`): the anchor conv, then one GEMM for the
+        down-projections and step gates and one block-diagonal GEMM for every up-projection."""
+        if self.L == 1:
+            return None
+        cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
+        nk, ng, S = self.n_keys, self.n_gains, H * (self.L - 1)
+        a = _conv_step(x, buf["anchor"], self.anchor_conv.weight, reset) if cfg.solver_anchor else F.silu(x)
+        dt = compute_dtype(x)
+        za = F.linear(a, stacked_weights(self, "solver_in", (self.step_proj, self.solver_down), dt)[0])
+        ups = (self.u_up, *self.key_up, *self.gain_up)  # za = [steps | z]: zero columns skip the steps
+        w_up = memoised(self, ("solver_up", dt), [m.weight for m in ups],
+                        lambda: F.pad(torch.block_diag(*(m.weight for m in ups)), (S, 0)).to(dt))
+        u, keys, gains = F.linear(za, w_up).split([H * V, nk * H * K, ng * H * V], -1)
+        return dict(u=u.view(B, T, H, V), keys=keys.view(B, T, nk, H, K) if nk else None,
+                    gains=gains.view(B, T, ng, H, V) if ng else None,
+                    steps=za[..., :S].view(B, T, H, self.L - 1), keys_mode=cfg.solver_keys,
+                    mode=cfg.solver_mode, nonlinear=cfg.solver_nonlinear)
+
 
 def rope(x, pos, theta):
     """Rotary embedding on [B,T,H,D] at integer positions pos [T] or [B,T] (half-split convention)."""
@@ -507,57 +598,87 @@ def rope(x, pos, theta):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
+def causal_attention(q, k, v):
+    """Causal softmax attention over q, k, v [B,T,H,D]; FlashAttention when importable."""
+    if _flash_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return _flash_attn(q, k, v, causal=True)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
 class Attention(nn.Module):
     """Causal softmax attention with RoPE; FlashAttention when importable, else SDPA.
     With `seg` (reset_at_eos) it is document-causal and positions restart at every segment
-    start, so a segment's q and k are bitwise those of its tokens run alone."""
+    start, so a segment's q and k are bitwise those of its tokens run alone. `layer_idx` is the
+    layer's entry in a decoding Cache."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer_idx=0):
         super().__init__()
         self.cfg, self.H, self.hd = cfg, cfg.n_head, cfg.n_embd // cfg.n_head
+        self.layer_idx = layer_idx
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
+    def cache_buffers(self, batch_size, max_len, device, dtype):
+        """A static KV cache: k, v [batch_size, max_len, H, D]."""
+        shape = (batch_size, max_len, self.H, self.hd)
+        return {"k": torch.zeros(shape, dtype=dtype, device=device),
+                "v": torch.zeros(shape, dtype=dtype, device=device)}
+
     def forward(self, x, cache=None, backend=None, chunk_size=None, seg=None):  # recurrence options unused
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.H, self.hd).unbind(2)
-        past = cache["k"].shape[1] if cache is not None and "k" in cache else 0
-        pos = torch.arange(past, past + T, device=x.device)
-        if seg is not None:  # key index where each token's segment begins [B,T]; tokens that
-            # continue their row keep the cache's window start, carried in cache["begin"]
-            begin = torch.where(seg.cont, cache.get("begin", 0) if cache is not None else 0, pos - seg.pos)
-            abs_pos, pos = pos, pos - begin
-        q, k = rope(q, pos, self.cfg.rope_theta), rope(k, pos, self.cfg.rope_theta)
+        qkv = self.qkv(x)
         if cache is not None:
-            if past:
-                k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
-            cache["k"], cache["v"] = k.detach(), v.detach()
-            if seg is not None:
-                cache["begin"] = begin[:, -1:]
-        y = None
+            return self.o_proj(self.cached(qkv, cache, backend == "triton").reshape(B, T, D))
+        q, k, v = qkv.view(B, T, 3, self.H, self.hd).unbind(2)
+        pos = torch.arange(T, device=x.device) if seg is None else seg.pos
+        q, k = rope(q, pos, self.cfg.rope_theta), rope(k, pos, self.cfg.rope_theta)
         flash = _flash_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-        if flash and seg is None:
-            y = _flash_attn(q, k, v, causal=True)  # bottom-right aligned: right for a cache too
-        elif flash and past == 0:
+        if seg is None:
+            y = causal_attention(q, k, v)
+        elif flash:
             cu = seg.cu_seqlens  # T bounds every segment's length: no host sync for the true maximum
             y = _flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, T, T,
                                    causal=True).view(B, T, self.H, self.hd)
-        else:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            if seg is not None:  # document-causal: query t sees keys begin_t .. t
-                j = torch.arange(past + T, device=x.device)
-                mask = (j <= abs_pos[:, None]) & (j >= begin[..., None])       # [B,T,past+T]
-                with sdpa_kernel(DECODE_SDPA):
-                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-            elif past == 0:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:  # queries sit at the end of the keys: bottom-right causal mask
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-                # cuDNN's attention re-plans for every new key length: slow for decoding
-                with sdpa_kernel(DECODE_SDPA):
-                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            y = y.transpose(1, 2)
+        else:  # document-causal: query t sees keys begin_t .. t
+            t = torch.arange(T, device=x.device)
+            mask = (t <= t[:, None]) & (t >= (t - seg.pos)[..., None])      # [B,T,T]
+            q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+            with sdpa_kernel(DECODE_SDPA):
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]).transpose(1, 2)
         return self.o_proj(y.reshape(B, T, D))
+
+    def cached(self, qkv, cache, fused):
+        """Attention of the new tokens (qkv [B,T,3*D]) over the cache's window, which they join.
+        Keys are the cache indices begin .. the token's own; RoPE positions count from the
+        segment start (reset_at_eos), i.e. from 0. One token on the Triton path: a kernel writes
+        k, v and another attends (flash-decoding) over the static cache."""
+        B, T, _ = qkv.shape
+        buf, theta = cache.layers[self.layer_idx], self.cfg.rope_theta
+        kc, vc = buf["k"], buf["v"]
+        if fused and T == 1:
+            begin = cache.begins[:, 0] if cache.begins is not None else cache.begin
+            q = kernels().rope_kv_write(qkv, *cache.rope, cache.pos, begin, kc, vc)
+            return kernels().decode_attention(q, kc, vc, begin, cache.pos)
+        q, k, v = qkv.view(B, T, 3, self.H, self.hd).unbind(2)
+        t = cache.pos + torch.arange(T, device=qkv.device)              # the tokens' cache indices
+        rp = t if cache.begins is None else t - cache.begins
+        q, k = rope(q, rp, theta), rope(k, rp, theta)
+        kc.index_copy_(1, t, k.to(kc.dtype))
+        vc.index_copy_(1, t, v.to(vc.dtype))
+        if T > 1 and cache.length == 0 and cache.begins is None:      # a first prefill
+            return causal_attention(q, k, v)
+        n = cache.max_len if T == 1 else cache.length + T  # one token reads no host value (graphs)
+        j = torch.arange(n, device=qkv.device)
+        mask = j <= t[:, None]                                          # [T,n]
+        if cache.begins is not None:
+            mask = mask & (j >= cache.begins[..., None])                # [B,T,n]
+        mask = mask if mask.dim() == 3 else mask[None]
+        # cuDNN's attention re-plans for every new key length: slow for decoding
+        with sdpa_kernel(DECODE_SDPA):
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :n].to(q.dtype).transpose(1, 2),
+                                               vc[:, :n].to(q.dtype).transpose(1, 2), attn_mask=mask[:, None])
+        return y.transpose(1, 2)
 
 
 try:
@@ -580,7 +701,10 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.recompute = False  # Model.activation_checkpointing = "mlp" sets it
 
-    def forward(self, x):
+    def forward(self, x, step=False):
+        if step:  # decoding on the Triton path: one GEMM for gate and up, one kernel for the product
+            gate_up = stacked_weights(self, "gate_up", (self.w_gate, self.w_up), compute_dtype(x))
+            return self.w_down(kernels().silu_mul(F.linear(x, *gate_up)))
         if self.recompute and torch.is_grad_enabled():  # keep x, not the [B,T,hidden] pair
             return checkpoint(self._forward, x, use_reentrant=False)
         return self._forward(x)
@@ -597,7 +721,7 @@ class Block(nn.Module):
         super().__init__()
         self.mixer_name = cfg.layer_mixer(i)
         self.norm1 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mixer = MIXERS[self.mixer_name](cfg)
+        self.mixer = MIXERS[self.mixer_name](cfg, i)
         self.norm2 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -605,6 +729,13 @@ class Block(nn.Module):
     def forward(self, x, cache=None, backend="chunk", chunk_size=64, seg=None):
         x = x + self.drop(self.mixer(self.norm1(x), cache, backend, chunk_size, seg))
         return x + self.drop(self.mlp(self.norm2(x)))
+
+    def step(self, x, h, cache, next_norm):
+        """The block on the Triton decoding path (no dropout), given h = norm1(x): each residual
+        add is one kernel with the norm after it, this block's norm2, then `next_norm` (the next
+        block's norm1 or the final norm). Returns (x, next_norm(x))."""
+        x, h = _add_rms_norm(x, self.mixer(h, cache, "triton"), self.norm2)
+        return _add_rms_norm(x, self.mlp(h, step=True), next_norm)
 
 
 class Model(nn.Module):
@@ -685,11 +816,12 @@ class Model(nn.Module):
             raise ValueError(f"chunk_size must be a positive int, got {c!r}")
         self._chunk_size = c
 
-    def forward(self, idx, targets=None, cache=None, return_logits=False):
-        """Returns (logits, loss). Without `targets`: the logits [B,T,V] of every position and
-        loss None. With `targets` [B,T]: the mean cross-entropy over the targets that are not -1,
-        and logits None unless return_logits=True (the fused loss never builds them; asking for
-        them takes the plain path). With `cache` (from init_cache) the call continues the
+    def forward(self, idx, targets=None, cache=None, return_logits=False, last_only=False):
+        """Returns (logits, loss). Without `targets`: the logits [B,T,V] of every position
+        (last_only: of the last one, [B,1,V]; a prefill needs no more) and loss None. With
+        `targets` [B,T]: the mean cross-entropy over the targets that are not -1, and logits
+        None unless return_logits=True (the fused loss never builds them; asking for them takes
+        the plain path). With `cache` (from init_cache) the call continues the
         sequence held in the cache: recurrent state and conv buffers, or the KV cache.
         With config.reset_at_eos every EOS in idx starts a new document (see Segments): a row
         whose first token is EOS starts afresh, any other continues the cache."""
@@ -699,15 +831,30 @@ class Model(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.drop(self.wte(idx))
-        backend, chunk_size = self.backend, self.chunk_size
-        seg = _no_compile(segments_of)(idx, self.config.eos_id) if self.config.reset_at_eos else None
-        recompute = self._checkpointing is True and cache is None and torch.is_grad_enabled()
-        for i, block in enumerate(self.blocks):
-            if recompute:  # keep only the block's input; rerun the block in the backward
-                x = checkpoint(block, x, None, backend, chunk_size, seg, use_reentrant=False)
-            else:
-                x = block(x, None if cache is None else cache[i], backend, chunk_size, seg)
-        x = self.norm_f(x)
+        backend, chunk_size, T = self.backend, self.chunk_size, idx.shape[1]
+        step = cache is not None and backend == "triton" and T <= STEP_TOKENS  # decoding kernels
+        if cache is not None:
+            cache.begin_step(idx)
+        seg = None  # the decoding kernels take the cache's per-token resets instead
+        if self.config.reset_at_eos and not step:
+            seg = _no_compile(segments_of)(idx, self.config.eos_id)
+        if step:
+            h = self.blocks[0].norm1(x)
+            for block, nxt in zip(self.blocks, [b.norm1 for b in self.blocks[1:]] + [self.norm_f]):
+                x, h = block.step(x, h, cache, nxt)
+            x = h
+        else:
+            recompute = self._checkpointing is True and cache is None and torch.is_grad_enabled()
+            for block in self.blocks:
+                if recompute:  # keep only the block's input; rerun the block in the backward
+                    x = checkpoint(block, x, None, backend, chunk_size, seg, use_reentrant=False)
+                else:
+                    x = block(x, cache, backend, chunk_size, seg)
+            x = self.norm_f(x)
+        if cache is not None:
+            cache.end_step(T)
+        if last_only:
+            x = x[:, -1:]
         if targets is None:
             return self.lm_head(x), None
         fused = self.fused_loss if self.fused_loss is not None else x.is_cuda
@@ -721,28 +868,94 @@ class Model(nn.Module):
                                ignore_index=IGNORE_INDEX)
         return (logits if return_logits else None), loss
 
-    def init_cache(self, batch_size=None):
-        """One dict per layer, filled lazily by the mixers (state S + conv buffers, or K/V).
-        GDN/PRISM memory stays constant in the sequence length."""
-        return [dict() for _ in self.blocks]
+    def init_cache(self, batch_size, max_len, device=None, dtype=None):
+        """Preallocated decoding buffers (Cache) for batch_size rows of up to max_len tokens: per
+        GDN/PRISM layer the state S (float32) and the short convs' last inputs, which do not grow
+        with max_len; per attention layer a static KV cache [batch_size, max_len, H, D]. Buffers
+        other than the state are in `dtype` (default: the parameters'), on `device` (default:
+        the parameters')."""
+        if not (batch_size >= 1 and max_len >= 1):
+            raise ValueError(f"init_cache: batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
+        cfg, p = self.config, self.wte.weight
+        device = p.device if device is None else torch.device(device)
+        dtype = p.dtype if dtype is None else dtype
+        layers = [b.mixer.cache_buffers(batch_size, max_len, device, dtype) for b in self.blocks]
+        rope_tables = None
+        if any(b.mixer_name == "attention" for b in self.blocks):  # cos, sin as rope() forms them
+            D = cfg.n_embd // cfg.n_head
+            inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+            ang = torch.arange(max_len, device=device).float()[..., None] * inv
+            rope_tables = (ang.cos(), ang.sin())
+        return Cache(layers, batch_size, max_len, device, rope_tables,
+                     cfg.eos_id if cfg.reset_at_eos else None)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        cache = self.init_cache(idx.shape[0])
-        logits, _ = self(idx, cache=cache)
-        for _ in range(max_new_tokens):
-            logits = logits[:, -1, :].float()
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float("inf")
-                nxt = torch.multinomial(F.softmax(logits, -1), 1)
-            idx = torch.cat([idx, nxt], 1)
-            logits, _ = self(nxt, cache=cache)
-        return idx
+    def prefill(self, idx, cache):
+        """Feed idx [B,T] into the cache, in pieces of at most PREFILL_TOKENS tokens for models
+        with recurrent layers (the chunk kernels' activations and offsets stay bounded);
+        returns the logits of the last position [B, vocab]."""
+        B, T = idx.shape
+        recurrent = any(b.mixer_name != "attention" for b in self.blocks)
+        piece = max(1, PREFILL_TOKENS // B) if recurrent else T
+        for s in range(0, T, piece):
+            logits, _ = self(idx[:, s:s + piece], cache=cache, last_only=True)
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, graph=None):
+        """Continue every row of idx [B,T] by max_new_tokens tokens; returns [B, T + n].
+
+        temperature 0 (or top_k=1) is greedy; else a draw from softmax(logits / temperature),
+        cut to the top_k tokens when given. With eos_id a row that drew it keeps it for the rest,
+        and decoding ends early once every row has (checked every EOS_CHECK tokens, the only host
+        syncs; n may then be less than max_new_tokens). The prompt goes through the cache with
+        the chunk kernels (prefill); each further token is one step of the whole model through the
+        cache (init_cache: static buffers, no reallocation), sampled on the device. On CUDA the
+        step is captured once in a CUDA graph and replayed per token (graph=False: eager steps).
+        Under autocast the buffers take the autocast dtype."""
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"generate: idx must be [B,T] token ids with T >= 1, got {tuple(idx.shape)}")
+        B, T0 = idx.shape
+        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 1 or None; "
+                             f"got {max_new_tokens}, {temperature}, {top_k}")
+        if max_new_tokens == 0:
+            return idx
+        dev = idx.device
+        autocast = torch.is_autocast_enabled(dev.type)
+        dtype = torch.get_autocast_dtype(dev.type) if autocast else self.wte.weight.dtype
+        cache = self.init_cache(B, T0 + max_new_tokens, dev, dtype)
+        seq = idx.new_empty(B, T0 + max_new_tokens)
+        seq[:, :T0] = idx
+        done = torch.zeros(B, dtype=torch.bool, device=dev) if eos_id is not None else None
+        seq[:, T0] = sample_next(self.prefill(idx, cache), temperature, top_k, eos_id, done)
+        step = self.decode_step(seq, cache, temperature, top_k, eos_id, done)
+        n = 1
+        if (dev.type == "cuda" if graph is None else graph) and max_new_tokens > 1 + GRAPH_WARMUP:
+            step = cuda_graph(step, GRAPH_WARMUP)
+            n += GRAPH_WARMUP
+        while n < max_new_tokens and not (eos_id is not None and n % EOS_CHECK == 0 and bool(done.all())):
+            step()
+            n += 1
+        return seq[:, :T0 + n]
+
+    def decode_step(self, seq, cache, temperature=1.0, top_k=None, eos_id=None, done=None):
+        """One decoding step as a function of no arguments, all on the device: it feeds
+        seq[:, cache.pos] (the last drawn token) through the cache and draws the next token into
+        seq[:, cache.pos + 1] (sample_next). This is what generate captures in a CUDA graph."""
+        def step():
+            tok = seq.index_select(1, cache.pos.view(1))
+            logits, _ = self(tok, cache=cache, last_only=True)
+            nxt = sample_next(logits[:, -1], temperature, top_k, eos_id, done)
+            seq.index_copy_(1, cache.pos.view(1), nxt[:, None])
+        dev = seq.device.type
+        if not torch.is_autocast_enabled(dev):
+            return step
+
+        def autocast_step():  # a captured graph must not hold autocast's cached weight casts
+            with torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False):
+                step()
+        return autocast_step
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         # decay matrices only: norms, biases, A_log and dt_bias (all 1-D) stay undecayed
@@ -880,3 +1093,131 @@ def training_flops_per_token(cfg, T, n_params):
             fwd += 2 * H * (C * (3 * K + 2 * V) + 3 * K * V)
             fwd += 2 * H * rows * (C * (2 * K + 2 * V) + K * V)
     return 3 * fwd
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. decoding
+
+STEP_TOKENS = 64        # with a cache, up to this many tokens take the token-by-token kernels
+PREFILL_TOKENS = 2**18  # tokens per prefill piece (all rows) for models with recurrent layers
+GRAPH_WARMUP = 2        # eager decoding steps before the CUDA graph is captured
+EOS_CHECK = 32          # generate() looks whether every row has ended every this many tokens
+
+
+class Cache:
+    """Static decoding buffers for Model.forward(idx, cache=...), from Model.init_cache.
+
+    layers[i] holds layer i's buffers (its mixer's cache_buffers): GDN/PRISM the state S and the
+    short convs' last inputs, attention k, v [B, max_len, H, D]. `pos` (0-d int64 tensor) counts
+    the tokens fed so far: the next one's index. With reset_at_eos (eos_id set) `begin` [B] is
+    each row's current segment start. `length` is pos on the host, read only to size a prefill's
+    attention. Every buffer keeps its shape and address and a one-token step reads no host value,
+    so the step can be captured in a CUDA graph (Model.generate does). Per forward, begin_step sets
+    `reset` [B,T] (the tokens that start a segment) and `begins` [B,T] (each token's segment
+    start) for the layers; end_step advances."""
+
+    def __init__(self, layers, batch_size, max_len, device, rope=None, eos_id=None):
+        self.layers, self.batch_size, self.max_len = layers, batch_size, max_len
+        self.rope, self.eos_id = rope, eos_id
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.begin = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.length = 0
+        self.reset = self.begins = None
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+
+    def begin_step(self, idx):
+        B, T = idx.shape
+        if B != self.batch_size:
+            raise ValueError(f"cache is for {self.batch_size} rows, got {B}")
+        if self.rope is not None and self.length + T > self.max_len:
+            raise ValueError(f"cache holds {self.max_len} tokens: {self.length} fed, {T} more do not fit")
+        if self.eos_id is not None:  # an EOS starts a segment: the window begins at it
+            self.reset = idx == self.eos_id
+            t = self.pos + torch.arange(T, device=idx.device)
+            self.begins = torch.where(self.reset, t, self.begin[:, None]).cummax(1).values
+
+    def end_step(self, T):
+        self.pos += T
+        self.length += T
+        if self.begins is not None:
+            self.begin.copy_(self.begins[:, -1])
+        self.reset = self.begins = None
+
+
+def compute_dtype(x):
+    """The dtype x's matmuls run in: autocast's when it is on, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def memoised(owner, name, params, build):
+    """build() (tensors derived from `params`), kept on `owner` under `name` and built again
+    once any of params changes: an optimizer step or load_state_dict bumps its version, a move
+    or cast gives it new storage."""
+    key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+    memo = owner.__dict__.setdefault("_decode_memo", {})
+    if name not in memo or memo[name][0] != key:
+        with torch.no_grad():
+            memo[name] = (key, build())
+    return memo[name][1]
+
+
+def stacked_weights(owner, name, layers, dtype):
+    """(weight, bias) of Linear `layers` that read the same input, stacked along the output in
+    `dtype`: a decoding step does one GEMM instead of len(layers) (memoised)."""
+    params = [p for m in layers for p in m.parameters()]
+
+    def build():
+        w = torch.cat([m.weight for m in layers]).to(dtype)
+        if all(m.bias is None for m in layers):
+            return w, None
+        b = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers]
+        return w, torch.cat(b).to(dtype)
+    return memoised(owner, (name, dtype), params, build)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, eos_id=None, done=None):
+    """The next token per row from logits [B, vocab], on the device with no host sync: greedy
+    for temperature 0 or top_k 1, else softmax(logits / temperature) over the top_k. With
+    eos_id, rows marked in `done` [B] bool repeat it, and rows that draw it are marked."""
+    if temperature == 0 or top_k == 1:
+        nxt = logits.argmax(-1)
+    else:
+        logits = logits.float() / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        probs = F.softmax(logits, -1)
+        # argmax of p / Exp(1) noise is a draw from p (torch.multinomial would sync the host)
+        nxt = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    if eos_id is not None:
+        nxt = torch.where(done, eos_id, nxt)
+        done |= nxt == eos_id
+    return nxt
+
+
+def cuda_graph(fn, warmup=GRAPH_WARMUP):
+    """fn captured in a CUDA graph; returns the graph's replay. fn first runs `warmup` times,
+    for real, on a side stream (kernels compile and the allocator and cuBLAS settle before the
+    capture, as the CUDA graphs notes ask). Capturing runs nothing."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

@@ -28,7 +28,8 @@ def _fail(path, why):
 
 
 def load_checkpoint(path, device="cpu", backend=None):
-    """Load a nanoGPT-style checkpoint into an eval-mode Model on `device`.
+    """Load a nanoGPT-style checkpoint (or a directory written by export_hf.py) into an
+    eval-mode Model on `device`.
 
     Reads with torch.load(weights_only=True): a checkpoint is tensors plus plain Python values,
     so nothing in it needs arbitrary unpickling. Strips the '_orig_mod.' (torch.compile) and
@@ -36,13 +37,17 @@ def load_checkpoint(path, device="cpu", backend=None):
     else chunk); older checkpoints' stored backend is ignored. Returns (model, ckpt) where
     ckpt is the checkpoint dict without the weights and optimizer state.
     """
-    if not os.path.isfile(path):
+    if os.path.isdir(path):  # a transformers directory written by export_hf.py
+        from export_hf import read_exported
+        ckpt = read_exported(path)
+    elif not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, wrong file, or a type weights_only refuses
-        _fail(path, f"cannot be read as a torch checkpoint ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}); is the file corrupt or truncated?")
+    else:
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated zip, wrong file, or a type weights_only refuses
+            _fail(path, f"cannot be read as a torch checkpoint ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); is the file corrupt or truncated?")
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
         _fail(path, f"expected a dict with 'model' and 'model_args', got {keys}")
@@ -100,7 +105,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\nload_checkpoint()")[0].strip() +
                                 "\n\nRuns on a CUDA GPU when there is one, else on the CPU.", formatter_class=_Help)
-    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt)")
+    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt) or an export_hf.py directory")
     p.add_argument("--start", default="", help="prompt text, or FILE:path (default: none, a fresh document)")
     p.add_argument("--num_samples", type=int, default=3, help="samples to draw")
     p.add_argument("--max_new_tokens", type=int, default=200, help="tokens generated per sample")
@@ -119,7 +124,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     torch.cuda.manual_seed(args.seed)
     model, _ = load_checkpoint(args.ckpt, args.device)
-    tok = load_tokenizer(args.tokenizer)
+    from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
+    tok = load_tokenizer(args.tokenizer or exported_tokenizer(args.ckpt))
     check_vocab(tok, model)
     ctx = ExitStack()
     if "cuda" in args.device:
@@ -142,7 +148,7 @@ def main(argv=None):
             print(f"=== sample {i + 1}/{args.num_samples} ===")
             with torch.no_grad():
                 y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
-                                   top_k=args.top_k or None)
+                                   top_k=args.top_k or None, eos_id=tok.eos_id)
             out = y[0, 1:].tolist()  # drop the document-start token
             if tok.eos_id in out[len(ids) - 1:]:  # stop at the end of the document
                 out = out[:out.index(tok.eos_id, len(ids) - 1)]

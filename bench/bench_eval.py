@@ -120,7 +120,7 @@ def bench_decode(model, batch, prompt_len, new_tokens, device, autocast):
     vocab = model.config.vocab_size
     x = torch.randint(3, vocab, (batch, prompt_len), device=device)
     for rep in range(2):  # first pass warms up kernels and the allocator
-        cache = model.init_cache(batch)
+        cache = model.init_cache(batch, prompt_len + new_tokens)
         sync(device)
         t0 = time.perf_counter()
         with autocast():

@@ -32,7 +32,7 @@ Requests are sorted by length (longest first, as HFLM) and batched with right pa
 is causal, so padding after a sequence cannot change the logits of its positions (tested). On
 CUDA the forward runs under bf16 autocast and the scored positions' logits are recomputed in
 float32 from the final hidden state; log-softmax is always float32, sums float64.
-generate_until decodes greedily through the model's cache (model.init_cache / model(x, cache=)).
+generate_until decodes with model.generate (greedy unless a task samples), then cuts at the stop strings.
 """
 import argparse
 import datetime
@@ -63,8 +63,9 @@ DEFAULT_TASKS = ["wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande"
 
 @register_model("prism")
 class PrismLM(TemplateLM):
-    """lm-eval LM over a model.py Model (or anything with .config.block_size and
-    forward(idx) -> (logits [B,T,V], _)) and any tokenizer with encode/decode/eos_id.
+    """lm-eval LM over a model.py Model (or anything with .config.block_size,
+    forward(idx) -> (logits [B,T,V], _) and, for generation tasks, Model.generate's
+    generate(idx, n, temperature=, eos_id=)) and any tokenizer with encode/decode/eos_id.
 
     Registered as "prism": code that imports this module can also call
     simple_evaluate(model="prism", model_args="ckpt=PATH,batch_size=64", tasks=[...]).
@@ -81,8 +82,9 @@ class PrismLM(TemplateLM):
             from sample import load_checkpoint
             model, _ = load_checkpoint(ckpt, device, backend=backend)
         if tokenizer is None:
+            from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
             from tokenizer import load_tokenizer
-            tokenizer = load_tokenizer(tokenizer_path)
+            tokenizer = load_tokenizer(tokenizer_path or (exported_tokenizer(ckpt) if ckpt else None))
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         if vocab is not None and tokenizer.vocab_size > vocab:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}")
@@ -227,35 +229,11 @@ class PrismLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, ll)
         return total
 
-    # ---- generation (greedy unless the task asks to sample), through the recurrent cache
-    @torch.no_grad()
-    def _decode(self, contexts, max_new, until, temperature):
-        """contexts: equal-length token lists. Returns the generated token lists (without EOS)."""
-        x = torch.tensor(contexts, dtype=torch.long, device=self._device)
-        cache = self.model.init_cache(len(contexts))
-        gen, done = [[] for _ in contexts], [False] * len(contexts)
-        with self._autocast():
-            logits = self.model(x, cache=cache)[0][:, -1].float()
-            for _ in range(max_new):
-                if temperature > 0:
-                    nxt = torch.multinomial(F.softmax(logits / temperature, -1), 1)[:, 0]
-                else:
-                    nxt = logits.argmax(-1)
-                for i, t in enumerate(nxt.tolist()):
-                    if done[i]:
-                        continue
-                    if t == self.eot_token_id:
-                        done[i] = True
-                        continue
-                    gen[i].append(t)
-                    if until and any(u in self.tok_decode(gen[i]) for u in until):
-                        done[i] = True
-                if all(done):
-                    break
-                logits = self.model(nxt[:, None], cache=cache)[0][:, -1].float()
-        return gen
-
+    # ---- generation (greedy unless the task asks to sample): model.generate
     def generate_until(self, requests, disable_tqdm=False):
+        """Each request decoded by model.generate (static cache, CUDA graphs on the GPU) in
+        batches of equal context length, up to EOS, then cut at the first stop string (HFLM's
+        rule: decoding on past a stop string does not change the text before it)."""
         jobs = {}
         for n, req in enumerate(requests):
             context, kw = req.args
@@ -269,12 +247,16 @@ class PrismLM(TemplateLM):
             ctx = self.tok_encode(context)[-(self.max_length - max_new):]
             jobs.setdefault((len(ctx), max_new, tuple(until), temp), []).append((n, ctx))
         out = [None] * len(requests)
+        eos = self.eot_token_id
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until", unit="req")
-        for (_, max_new, until, temp), items in jobs.items():
+        for (T, max_new, until, temp), items in jobs.items():
             for b in range(0, len(items), self.batch_size):
                 chunk = items[b:b + self.batch_size]
-                for (n, _), toks in zip(chunk, self._decode([c for _, c in chunk], max_new, until, temp)):
-                    s = self.tok_decode(toks)
+                x = torch.tensor([c for _, c in chunk], dtype=torch.long, device=self._device)
+                with torch.no_grad(), self._autocast():
+                    y = self.model.generate(x, max_new, temperature=temp, eos_id=eos)
+                for (n, _), toks in zip(chunk, y[:, T:].tolist()):
+                    s = self.tok_decode(toks[:toks.index(eos)] if eos in toks else toks)
                     for u in until:  # cut at the first stop string, as HFLM does
                         s = s.split(u)[0]
                     out[n] = s

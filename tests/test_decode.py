@@ -1,26 +1,38 @@
-"""Recurrent / incremental decoding: the cache path must reproduce the full-sequence forward.
+"""Decoding: the static cache (Model.init_cache), Model.generate and the decoding kernels
+(prism_kernel.py's last section: conv_step, recurrent_prism_step, gated_rms_norm, silu_mul,
+rope_kv_write, decode_attention).
 
-For every mixer (GDN, PRISM with L=1 and L=3, attention) and a hybrid, in float32:
-  * token-by-token through the cache          == full forward logits   (max abs <= 1e-4)
-  * chunked prefill of uneven pieces + steps   == full forward logits
-  * GDN/PRISM cache memory does not grow with the sequence length
-  * generate() with top_k=1 is deterministic and equals greedy argmax of the full forward
+CPU, PyTorch backends, float32, for GDN, PRISM L=1 and L=3, attention and a hybrid:
+  * token by token through the cache, and uneven pieces, == the full forward (max abs <= 1e-4)
+  * the GDN/PRISM buffers do not depend on max_len, the KV cache's grow with it; no buffer moves
+  * reset_at_eos: from an EOS on, a row's logits equal those of the same tokens on a fresh cache
+  * generate(): top_k=1 is the full forward's greedy argmax; sampling is seeded; eos_id stops
+CPU, Triton interpreter, tiny shapes: every kernel against PyTorch (the recurrence against the
+float64 token loop model.delta_rule_naive), the layers' Triton decoding step against their
+PyTorch cached path, and the model on the Triton backend against its full forward.
+GPU (`pytest -m gpu`): the kernels at K=128, V=256 and K=V=64 in float32 and bf16, and the
+stepwise tests again through a captured CUDA graph and through generate().
 """
+import math
 import os
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import Model, ModelConfig  # noqa: E402
+import model as model_py  # noqa: E402
+from model import (Cache, GatedDeltaNet, Model, ModelConfig, PRISM, ShortConv, cuda_graph,  # noqa: E402
+                   delta_rule_naive, segments_of)
 
 TOL = 1e-4
-
+CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB, T, B = 61, 21, 2
+VOCAB, T, B, EOS = 61, 21, 2, 3
 
 CASES = {
     "gdn": dict(mixer="gdn"),
@@ -31,10 +43,10 @@ CASES = {
 }
 
 
-def tiny_model(seed=0, backend="chunk", **kw):
+def tiny_model(seed=0, backend="chunk", n_layer=3, **kw):
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=VOCAB, block_size=64, n_layer=3, n_head=2, n_embd=32, head_dim=8,
-                      expand_v=2.0, solver_rank=8, **kw)
+    cfg = ModelConfig(vocab_size=VOCAB, block_size=64, n_layer=n_layer, n_head=2, n_embd=32,
+                      head_dim=8, expand_v=2.0, solver_rank=8, eos_id=EOS, **kw)
     model = Model(cfg, backend=backend, chunk_size=8).eval()
     # random init leaves the mixers nearly silent; larger weights make a state bug visible
     with torch.no_grad():
@@ -44,14 +56,15 @@ def tiny_model(seed=0, backend="chunk", **kw):
     return model
 
 
-def tokens(batch=B, length=T, seed=1):
+def tokens(batch=B, length=T, seed=1, no_eos=False):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (batch, length), generator=g)
+    x = torch.randint(0, VOCAB, (batch, length), generator=g)
+    return x.masked_fill(x == EOS, EOS + 1) if no_eos else x
 
 
 def run_pieces(model, idx, sizes):
     """Feed idx through one cache in pieces of the given sizes; return the concatenated logits."""
-    cache = model.init_cache(idx.shape[0])
+    cache = model.init_cache(idx.shape[0], idx.shape[1])
     out, t = [], 0
     for n in sizes:
         logits, _ = model(idx[:, t:t + n], cache=cache)
@@ -61,6 +74,16 @@ def run_pieces(model, idx, sizes):
     return torch.cat(out, 1)
 
 
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ------------------------------------------------------------------ the cache, PyTorch backends
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_stepwise_equals_full(name):
     model = tiny_model(**CASES[name])
@@ -68,9 +91,8 @@ def test_stepwise_equals_full(name):
     with torch.no_grad():
         full, _ = model(idx)
         step = run_pieces(model, idx, [1] * T)
-    err = (step - full).abs().max().item()
     assert full.abs().max() > 0.1, "degenerate test: logits are ~0"
-    assert err <= TOL, f"{name}: stepwise vs full max abs diff {err:.3e}"
+    assert max_err(step, full) <= TOL, f"{name}: stepwise vs full {max_err(step, full):.3e}"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -78,12 +100,10 @@ def test_chunked_prefill_then_step_equals_full(name):
     model = tiny_model(**CASES[name])
     idx = tokens()
     # uneven pieces: one longer than a chunk (8), one crossing a chunk border, then single steps
-    sizes = [11, 5, 1, 1, 3]
     with torch.no_grad():
         full, _ = model(idx)
-        pieces = run_pieces(model, idx, sizes)
-    err = (pieces - full).abs().max().item()
-    assert err <= TOL, f"{name}: chunked prefill vs full max abs diff {err:.3e}"
+        pieces = run_pieces(model, idx, [11, 5, 1, 1, 3])
+    assert max_err(pieces, full) <= TOL, f"{name}: pieces vs full {max_err(pieces, full):.3e}"
 
 
 @pytest.mark.parametrize("name", ["gdn", "prism_L3", "hybrid"])
@@ -94,35 +114,64 @@ def test_naive_backend_full_equals_chunk(name):
     b = tiny_model(backend="naive", **CASES[name])
     idx = tokens()
     with torch.no_grad():
-        err = (a(idx)[0] - b(idx)[0]).abs().max().item()
-    assert err <= TOL, err
+        assert max_err(a(idx)[0], b(idx)[0]) <= TOL
 
 
-def _cache_numel(cache):
-    return sum(t.numel() for layer in cache for t in layer.values() if torch.is_tensor(t))
-
-
-@pytest.mark.parametrize("name", ["gdn", "prism_L3"])
-def test_recurrent_cache_is_constant_in_length(name):
+@pytest.mark.parametrize("name", ["gdn", "prism_L3", "attention", "hybrid"])
+def test_cache_is_static(name):
+    """GDN/PRISM buffers do not depend on max_len, KV buffers are linear in it, and no buffer is
+    reallocated while decoding (what a captured CUDA graph relies on)."""
     model = tiny_model(**CASES[name])
-    idx = tokens(length=40)
-    sizes = []
+    n_attn = sum(b.mixer_name == "attention" for b in model.blocks)
+    small, big = model.init_cache(B, 10), model.init_cache(B, 110)
+    kv_per_token = n_attn * 2 * B * 32 * 4  # k and v, n_embd floats each, per row
+    assert small.nbytes() > 0 and big.nbytes() - small.nbytes() == 100 * kv_per_token
+    ptrs = [t.data_ptr() for layer in small for t in layer.values()]
     with torch.no_grad():
-        cache = model.init_cache(B)
-        for t in range(idx.shape[1]):
-            model(idx[:, t:t + 1], cache=cache)
-            sizes.append(_cache_numel(cache))
-    assert sizes[0] > 0 and len(set(sizes)) == 1, sizes
+        model(tokens(length=4), cache=small)
+        for t in range(4, 10):
+            model(tokens(length=10)[:, t:t + 1], cache=small)
+    assert [t.data_ptr() for layer in small for t in layer.values()] == ptrs
+    assert int(small.pos) == small.length == 10
 
 
-def test_attention_cache_grows_with_length():
+def test_kv_cache_overflow_raises():
     model = tiny_model(**CASES["hybrid"])
+    cache = model.init_cache(B, 6)
     with torch.no_grad():
-        cache = model.init_cache(B)
-        model(tokens(length=5), cache=cache)
-        n5 = _cache_numel(cache)
-        model(tokens(length=5, seed=2), cache=cache)
-        assert _cache_numel(cache) > n5
+        model(tokens(length=6), cache=cache)
+        with pytest.raises(ValueError, match="do not fit"):
+            model(tokens(length=1), cache=cache)
+        with pytest.raises(ValueError, match="rows"):
+            model(tokens(batch=1, length=1), cache=model.init_cache(B, 6))
+
+
+def reset_case(model, sizes):
+    """Row 0: 7 tokens, EOS, 6 tokens; row 1: 14 tokens without EOS. Fed through one cache in
+    `sizes` pieces. Returns (cached logits, row 0 after the EOS on a fresh cache, logits of
+    both rows with the EOS replaced (no reset), idx)."""
+    idx = tokens(length=14, seed=5, no_eos=True)
+    idx[0, 7] = EOS
+    with torch.no_grad():
+        got = run_pieces(model, idx, sizes)
+        fresh = run_pieces(model, idx[:1, 7:], [1] * 7)
+        plain = idx.clone()
+        plain[0, 7] = EOS + 1
+        before, _ = model(plain)
+    return got, fresh, before, idx
+
+
+@pytest.mark.parametrize("sizes", [[1] * 14, [5, 6, 3]], ids=["steps", "pieces"])
+@pytest.mark.parametrize("name", ["gdn", "prism_L3", "attention", "hybrid"])
+def test_reset_at_eos_in_cache(name, sizes):
+    """reset_at_eos: an EOS drops the row's state, conv taps and attention window before it is
+    processed, in a decoding step or inside a piece; the other row and earlier tokens are as
+    without the flag."""
+    model = tiny_model(reset_at_eos=True, **CASES[name])
+    got, fresh, before, idx = reset_case(model, sizes)
+    assert max_err(got[:1, 7:], fresh) <= TOL, "row 0 after its EOS differs from a fresh start"
+    assert max_err(got[:1, :7], before[:1, :7]) <= TOL and max_err(got[1:], before[1:]) <= TOL
+    assert max_err(got[:1, 8:], before[:1, 8:]) > 1e-3, "degenerate test: the reset changed nothing"
 
 
 @pytest.mark.parametrize("name", ["gdn", "prism_L3", "attention", "hybrid"])
@@ -134,14 +183,12 @@ def test_generate_greedy_matches_full_forward_argmax(name):
         torch.manual_seed(123)
         out1 = model.generate(prompt, n_new, temperature=1.0, top_k=1)
         torch.manual_seed(456)  # a different seed must not matter with top_k=1
-        out2 = model.generate(prompt, n_new, temperature=1.0, top_k=1)
-        # reference: recompute the whole sequence every step, no cache
-        ref = prompt.clone()
+        out2 = model.generate(prompt, n_new, temperature=0.0)
+        ref = prompt.clone()  # reference: recompute the whole sequence every step, no cache
         for _ in range(n_new):
             logits, _ = model(ref)
             ref = torch.cat([ref, logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert out1.shape == (B, 6 + n_new)
-    assert torch.equal(out1[:, :6], prompt)
+    assert out1.shape == (B, 6 + n_new) and torch.equal(out1[:, :6], prompt)
     assert torch.equal(out1, out2)
     assert torch.equal(out1, ref), f"{name}: cached greedy decode diverged from full-forward argmax"
 
@@ -150,39 +197,339 @@ def test_generate_sampling_is_seeded():
     model = tiny_model(**CASES["prism_L3"])
     prompt = tokens(length=4)
     with torch.no_grad():
-        torch.manual_seed(7)
-        a = model.generate(prompt, 12, temperature=1.0, top_k=20)
-        torch.manual_seed(7)
-        b = model.generate(prompt, 12, temperature=1.0, top_k=20)
-        torch.manual_seed(8)
-        c = model.generate(prompt, 12, temperature=1.0, top_k=20)
-    assert torch.equal(a, b)
-    assert not torch.equal(a, c)  # 2 x 12 draws from 20 tokens: a collision is ~impossible
+        draws = []
+        for seed in (7, 7, 8):
+            torch.manual_seed(seed)
+            draws.append(model.generate(prompt, 12, temperature=1.0, top_k=20))
+    assert torch.equal(draws[0], draws[1])
+    assert not torch.equal(draws[0], draws[2])  # 2 x 12 draws from 20 tokens: a collision is ~impossible
 
 
-def _triton_ok():
-    try:
-        import prism_kernel  # noqa: F401
-        return torch.cuda.is_available()
-    except Exception:
-        return False
+def test_sample_next_top_k_and_temperature():
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]]).repeat(4000, 1)
+    torch.manual_seed(0)
+    got = model_py.sample_next(logits, temperature=1.0, top_k=2)
+    assert set(got.tolist()) == {1, 2}  # only the top 2 are ever drawn
+    p = math.exp(3.0) / (math.exp(3.0) + math.exp(2.9))
+    assert abs((got == 1).float().mean().item() - p) < 0.03  # in proportion to softmax
+    cold = model_py.sample_next(logits, temperature=0.05)
+    assert (cold == 1).float().mean() > 0.8
 
 
+def test_generate_stops_at_eos(monkeypatch):
+    model = tiny_model(**CASES["gdn"])
+    prompt = tokens(length=5)
+    with torch.no_grad():
+        plain = model.generate(prompt, 24, temperature=0)
+        eos = int(plain[0, 5 + 2])  # row 0 draws it as its third new token
+        monkeypatch.setattr(model_py, "EOS_CHECK", 4)
+        out = model.generate(prompt, 24, temperature=0, eos_id=eos)
+        alone = model.generate(prompt[:1], 24, temperature=0, eos_id=eos)
+    for row in range(B):
+        new = plain[row, 5:].tolist()
+        cut = new.index(eos) + 1 if eos in new else len(new)
+        got = out[row, 5:].tolist()
+        assert got[:cut] == new[:cut] and all(t == eos for t in got[cut:])
+    assert alone.shape[1] < 5 + 24 and alone[0, -1] == eos  # one row: stops soon after its EOS
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(prompt, -1)
+
+
+# ------------------------------------------------------------------ kernels, in the interpreter
+# (conftest sets TRITON_INTERPRET=1 without a GPU; on a GPU the same tests run the real kernels)
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def naive_with_resets(q, k, v, g, beta, ke, ve, state, reset):
+    """Float64 reference: model.delta_rule_naive token by token, the state dropped at resets."""
+    outs, S = [], state.double()
+    for t in range(q.shape[1]):
+        if reset is not None:
+            S = S * (~reset[:, t]).double()[:, None, None, None]
+        one = [None if x is None else x[:, t:t + 1].double() for x in (q, k, v, g, beta, ke, ve)]
+        o, S = delta_rule_naive(*one, initial_state=S, output_final_state=True)
+        outs.append(o)
+    return torch.cat(outs, 1), S
+
+
+def recurrence_inputs(Bn, Tn, H, K, V, L, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q, k = F.normalize(r(Bn, Tn, H, K), dim=-1), F.normalize(r(Bn, Tn, H, K), dim=-1)
+    v, g = r(Bn, Tn, H, V), F.logsigmoid(2 * r(Bn, Tn, H) + 2)
+    beta = torch.rand(Bn, Tn, H, generator=gen)
+    ke = F.normalize(r(Bn, Tn, H, L - 1, K), dim=-1) if L > 1 else None
+    ve = 0.3 * r(Bn, Tn, H, L - 1, V) if L > 1 else None
+    S0 = r(Bn, H, K, V)
+    cast = lambda x: None if x is None else x.to(device, dtype)
+    return [cast(x) for x in (q, k, v, g, beta, ke, ve)], S0.to(device)
+
+
+def check_recurrent_step(Bn, Tn, H, K, V, L, dtype, tol):
+    from prism_kernel import recurrent_prism_step
+    xs, S0 = recurrence_inputs(Bn, Tn, H, K, V, L, dtype, DEV)
+    reset = torch.zeros(Bn, Tn, dtype=torch.bool, device=DEV)
+    reset[0, Tn // 2] = True
+    for rs in (None, reset):
+        S = S0.clone()
+        o, S_out = recurrent_prism_step(*xs, state=S, reset=rs)
+        o_ref, S_ref = naive_with_resets(*xs, S0, rs)
+        assert S_out is S, "the state is updated in place"
+        assert o.dtype == dtype and rel(o, o_ref) <= tol and rel(S, S_ref) <= tol, (rel(o, o_ref), rel(S, S_ref))
+
+
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("Tn", [1, 5])
+def test_recurrent_step_matches_naive(Tn, L):
+    check_recurrent_step(2, Tn, 2, 8, 16, L, torch.float32, 1e-5)
+
+
+def test_recurrent_step_shapes_and_errors():
+    from prism_kernel import recurrent_prism_step
+    xs, S0 = recurrence_inputs(1, 1, 2, 8, 16, 2, torch.float32, DEV)
+    o, S = recurrent_prism_step(*(x[:, 0] for x in xs))  # no T axis, state from zeros
+    o_ref, S_ref = naive_with_resets(*xs, torch.zeros_like(S0), None)
+    assert o.shape == (1, 2, 16) and rel(o, o_ref[:, 0]) < 1e-5 and rel(S, S_ref) < 1e-5
+    with pytest.raises(ValueError, match="state must be"):
+        recurrent_prism_step(*xs, state=S0.double())
+    with pytest.raises(ValueError, match="together"):
+        recurrent_prism_step(*xs[:5], ke=xs[5])
+
+
+def shortconv_reference(conv, x, buf, reset):
+    b = buf.clone()
+    return conv.cached(x, b, reset), b
+
+
+@pytest.mark.parametrize("Tn", [1, 2, 9, 70])
+def test_conv_step_matches_pytorch(Tn):
+    from prism_kernel import conv_step
+    torch.manual_seed(Tn)
+    C, W = 20, 4
+    conv = ShortConv(C, W).to(DEV)
+    wide = torch.randn(B, Tn, C + 7, device=DEV)
+    x = wide[..., 3:3 + C]  # strided rows, as a slice of the fused projection
+    buf = torch.randn(B, W - 1, C, device=DEV)
+    for reset in (None, torch.rand(B, Tn, device=DEV) < 0.3):
+        y_ref, buf_ref = shortconv_reference(conv, x, buf, reset)
+        b = buf.clone()
+        y = conv_step(x, b, conv.weight, reset)
+        assert max_err(y, y_ref) < 1e-5 and max_err(b, buf_ref) < 1e-6
+    # the PyTorch form itself: against conv1d on [buffer; x] (no reset)
+    y_ref, buf_ref = shortconv_reference(conv, x, buf, None)
+    xp = torch.cat([buf, x], 1)
+    direct = F.silu(F.conv1d(xp.transpose(1, 2), conv.weight[:, None, :], groups=C).transpose(1, 2))
+    assert max_err(y_ref, direct) < 1e-5 and max_err(buf_ref, xp[:, -(W - 1):]) == 0
+
+
+def test_gated_norm_add_norm_and_silu_mul():
+    from prism_kernel import add_rms_norm, gated_rms_norm, silu_mul
+    torch.manual_seed(0)
+    o, w = torch.randn(2, 3, 4, 16, device=DEV), torch.randn(16, device=DEV)
+    wide = torch.randn(2, 3, 4 * 16 + 5, device=DEV)
+    gate = wide[..., 5:]
+    ref = F.rms_norm(o, (16,), w, 1e-6) * F.silu(gate.view(2, 3, 4, 16))
+    assert max_err(gated_rms_norm(o, gate, w, 1e-6), ref.flatten(2)) < 1e-5
+    x = torch.randn(2, 3, 2 * 40, device=DEV)
+    assert max_err(silu_mul(x), F.silu(x[..., :40]) * x[..., 40:]) < 1e-6
+    y, w = torch.randn_like(x), torch.randn(80, device=DEV)
+    s, h = add_rms_norm(x, y, w, 1e-6)
+    assert max_err(s, x + y) < 1e-6 and max_err(h, F.rms_norm(x + y, (80,), w, 1e-6)) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_attention_and_rope_write(splits):
+    from prism_kernel import decode_attention, rope_kv_write
+    torch.manual_seed(splits)
+    Bn, L, H, D, pos = 2, 200, 2, 8, 150
+    kc, vc = torch.randn(Bn, L, H, D, device=DEV), torch.randn(Bn, L, H, D, device=DEV)
+    begin = torch.tensor([0, 97], device=DEV)
+    qkv = torch.randn(Bn, 1, 3 * H * D + 4, device=DEV)[..., 4:]
+    ang = torch.arange(L, device=DEV).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    q = rope_kv_write(qkv, ang.cos(), ang.sin(), torch.tensor(pos, device=DEV), begin, kc, vc)
+    q_ref, k_ref, v_ref = qkv.view(Bn, 1, 3, H, D).unbind(2)
+    rp = (pos - begin)[:, None]
+    assert max_err(q, model_py.rope(q_ref, rp, 10000)) < 1e-5
+    assert max_err(kc[:, pos:pos + 1], model_py.rope(k_ref, rp, 10000)) < 1e-5 and torch.equal(vc[:, pos:pos + 1], v_ref)
+    y = decode_attention(q, kc, vc, begin, torch.tensor(pos, device=DEV), splits=splits)
+    j = torch.arange(L, device=DEV)
+    mask = (j <= pos) & (j >= begin[:, None])
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                         attn_mask=mask[:, None, None])
+    assert max_err(y, ref.transpose(1, 2)) < 1e-5
+
+
+SOLVERS = {
+    "own_gelu": dict(),
+    "shared_linear": dict(solver_keys="shared", solver_mode="linear"),
+    "base_nogain": dict(solver_keys="base", solver_gain=False),
+    "own_noact_noanchor": dict(solver_nonlinear=False, solver_anchor=False),
+    "gdn": dict(solver_steps=1),
+}
+
+
+@pytest.mark.parametrize("name", list(SOLVERS))
+def test_layer_step_matches_pytorch_path(name):
+    """PRISM's (and GDN's) Triton decoding step, with the solver write formed in the kernel,
+    against the same layer's PyTorch cached path from the same nonzero buffers."""
+    torch.manual_seed(0)
+    kw = {"solver_steps": 3, **SOLVERS[name]}
+    cfg = ModelConfig(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=32, head_dim=8, solver_rank=8, **kw)
+    layer = PRISM(cfg).to(DEV)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    x = torch.randn(B, 3, 32, device=DEV)
+    reset = torch.tensor([[False, True, False], [False, False, False]], device=DEV)
+    y_ref, ref = layer_steps(layer, x, B, torch.float32, reset, backend="chunk")
+    y, got = layer_steps(layer, x, B, torch.float32, reset)
+    assert rel(y, y_ref) < 1e-5
+    for key in ref:
+        assert rel(got[key], ref[key]) < 1e-5, key
+
+
+def layer_steps(layer, x, batch, dtype, reset=None, backend=None):
+    """One call of the layer on a cache whose buffers are filled with the same random numbers
+    every time: the Triton step (backend None) or the layer's forward on `backend`."""
+    torch.manual_seed(1)
+    dev = x.device
+    cache = Cache([layer.cache_buffers(batch, x.shape[1], dev, dtype)], batch, x.shape[1], dev)
+    for t in cache.layers[0].values():
+        t.normal_()
+    cache.reset = reset  # what Model.forward's begin_step sets, and its segments
+    seg = None if reset is None else segments_of(torch.where(reset, EOS, EOS + 1), EOS)
+    with torch.no_grad():
+        y = layer.step(x, cache) if backend is None else layer(x, cache, backend=backend, seg=seg)
+    return y, cache.layers[0]
+
+
+@pytest.mark.parametrize("name", ["gdn", "prism_L3", "hybrid"])
+def test_triton_backend_cache_equals_full(name):
+    """The model's decoding path on the Triton backend (fused step kernels, decode attention)
+    against the full forward of the PyTorch chunk backend."""
+    model = tiny_model(n_layer=2, **CASES[name])
+    idx = tokens(length=9)
+    with torch.no_grad():
+        full, _ = model(idx)
+        model.backend = "triton"
+        got = run_pieces(model, idx, [4, 1, 1, 3])
+    assert max_err(got, full) <= TOL
+
+
+# ------------------------------------------------------------------ GPU
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("K,V", [(128, 256), (64, 64)])
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("Tn", [1, 7, 64])
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_recurrent_step_matches_naive(Tn, L, K, V, dtype, tol):
+    check_recurrent_step(3, Tn, 6, K, V, L, dtype, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("mixer", ["gdn", "prism"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_130m_layer_step(mixer, dtype, tol):
+    """The 130M layer shape (K=128, V=256, D=768): Triton step vs the PyTorch cached path."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(mixer=mixer)
+    layer = (PRISM if mixer == "prism" else GatedDeltaNet)(cfg).cuda().to(dtype)
+    x = torch.randn(16, 4, 768, device="cuda", dtype=dtype)
+    y_ref, ref = layer_steps(layer, x, 16, dtype, backend="chunk")
+    y, got = layer_steps(layer, x, 16, dtype)
+    assert rel(y, y_ref) <= tol and rel(got["state"], ref["state"]) <= tol
+
+
+def graphed_logits(model, idx, prefill):
+    """Prefill, two eager steps, then every further token by replaying one captured step."""
+    Bn, Tn = idx.shape
+    cache = model.init_cache(Bn, Tn)
+    out = [model(idx[:, :prefill], cache=cache)[0]]
+    tok = idx[:, prefill:prefill + 1].clone()
+    logits = torch.empty(Bn, 1, model.config.vocab_size, device=idx.device)
+
+    def step():
+        logits.copy_(model(tok, cache=cache)[0])
+    t = prefill
+    for _ in range(2):
+        tok.copy_(idx[:, t:t + 1])
+        step()
+        out.append(logits.clone())
+        t += 1
+    replay = cuda_graph(step, warmup=0)
+    while t < Tn:
+        tok.copy_(idx[:, t:t + 1])
+        replay()
+        out.append(logits.clone())
+        t += 1
+    return torch.cat(out, 1)
+
+
 @pytest.mark.parametrize("backend", ["chunk", "triton"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_cuda_stepwise_and_prefill_equal_full(name, backend):
-    """On the GPU, float32: the full forward (chunk or Triton backend) against the cache path
-    (chunked prefill through the same backend, then one-token naive steps)."""
-    if backend == "triton" and not _triton_ok():
-        pytest.skip("prism_kernel not importable")
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_stepwise_prefill_and_graph_equal_full(name, backend):
+    """Float32 on the GPU: the full forward against the cache path eagerly (steps, pieces) and
+    through a captured CUDA graph replayed per token."""
     model = tiny_model(backend=backend, **CASES[name]).cuda()
     idx = tokens().cuda()
     with torch.no_grad():
         full, _ = model(idx)
         step = run_pieces(model, idx, [1] * T)
         pieces = run_pieces(model, idx, [11, 5, 1, 1, 3])
-    for what, got in (("stepwise", step), ("prefill", pieces)):
-        err = (got - full).abs().max().item()
-        assert err <= TOL, f"{name}/{backend} {what}: max abs diff {err:.3e}"
+        graphed = graphed_logits(model, idx, 5)
+    for what, got in (("stepwise", step), ("prefill", pieces), ("graph", graphed)):
+        assert max_err(got, full) <= TOL, f"{name}/{backend} {what}: {max_err(got, full):.3e}"
+
+
+@pytest.mark.parametrize("name", ["gdn", "prism_L3", "attention", "hybrid"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_generate_graph_equals_full_forward(name):
+    model = tiny_model(backend="triton", **CASES[name]).cuda()
+    prompt = tokens(length=6).cuda()
+    with torch.no_grad():
+        graphed = model.generate(prompt, 15, temperature=0)
+        eager = model.generate(prompt, 15, temperature=0, graph=False)
+        ref = prompt.clone()
+        for _ in range(15):
+            ref = torch.cat([ref, model(ref)[0][:, -1].argmax(-1, keepdim=True)], 1)
+        drawn = model.generate(prompt, 15, temperature=1.0, top_k=10)
+    assert torch.equal(graphed, eager) and torch.equal(graphed, ref)
+    assert drawn.shape == ref.shape and 0 <= drawn.min() and drawn.max() < VOCAB
+
+
+@pytest.mark.parametrize("sizes", [[1] * 14, [5, 6, 3]], ids=["steps", "pieces"])
+@pytest.mark.parametrize("name", ["gdn", "prism_L3", "attention", "hybrid"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_reset_at_eos_in_cache(name, sizes):
+    model = tiny_model(backend="triton", reset_at_eos=True, **CASES[name]).cuda()
+    got, fresh, before, idx = reset_case(model, sizes)
+    assert max_err(got[:1, 7:], fresh) <= TOL
+    assert max_err(got[:1, :7], before[:1, :7]) <= TOL and max_err(got[1:], before[1:]) <= TOL
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "prism", "hybrid", "transformer"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_130m_bf16_graph_step(mixer):
+    """The 130M models in bf16: logits through the captured step match the eager cache path,
+    and generate() runs (graph, batch 4, prompt 40, 40 tokens, top-k sampling)."""
+    kw = {"gdn": dict(mixer="gdn"), "prism": dict(mixer="prism"),
+          "hybrid": dict(mixer="prism", attn_layers=(5, 11)), "transformer": dict(mixer="attention")}[mixer]
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**kw)).cuda().to(torch.bfloat16).eval()
+    idx = torch.randint(0, 32000, (4, 48), device="cuda")
+    with torch.no_grad():
+        eager = run_pieces(model, idx, [40] + [1] * 8)
+        graphed = graphed_logits(model, idx, 40)
+        out = model.generate(idx[:, :40], 40, temperature=0.8, top_k=50)
+    assert torch.isfinite(graphed).all() and rel(graphed[:, 40:], eager[:, 40:]) < 1e-2
+    assert out.shape == (4, 80) and out.min() >= 0 and out.max() < 32000

@@ -290,8 +290,9 @@ def test_causal_conv_in_model_matches_torch_path():
     conv = ShortConv(12, 4).to(DEV)
     x = torch.randn(2, 33, 12, device=DEV)
     assert rel_err(conv(x, fused=True), conv(x)) < 1e-6
-    cache = {}  # with a cache the torch path runs (it keeps the last inputs for decoding)
-    assert torch.equal(conv(x, cache, "c", fused=True), conv(x, {}, "c"))
+    buf = torch.randn(2, 3, 12, device=DEV)  # a cache's last inputs: conv_step continues from them
+    ref = buf.clone()
+    assert rel_err(conv(x, buf, fused=True), conv(x, ref)) < 1e-6 and torch.equal(buf, ref)
 
 
 @pytest.mark.gpu

@@ -137,7 +137,7 @@ def test_reset_changes_what_follows_an_eos(name):
 # with a cache: prefill and decoding across EOS
 
 def run_pieces(model, idx, sizes):
-    cache = model.init_cache(idx.shape[0])
+    cache = model.init_cache(idx.shape[0], idx.shape[1])
     out, t = [], 0
     for n in sizes:
         out.append(model(idx[:, t:t + n], cache=cache)[0])

@@ -1,0 +1,266 @@
+"""
+transformers wrapper around model.py: AutoConfig / AutoModelForCausalLM / generate() for PRISM models.
+
+export_hf.py copies this file, model.py and prism_kernel.py into every exported directory, which
+then loads without this repo (trust_remote_code=True runs this file):
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained("hf/prism_130m")
+    model = AutoModelForCausalLM.from_pretrained("hf/prism_130m", trust_remote_code=True)
+    ids = tok("The meaning of life is", return_tensors="pt").input_ids  # [</s>, ...]: see below
+    out = model.generate(ids, max_new_tokens=50, do_sample=False)
+    print(tok.decode(out[0], skip_special_tokens=True))
+
+The network is model.py's Model, unchanged; this file only translates: PrismConfig holds
+ModelConfig's fields, forward() calls Model.forward, and PrismCache hands transformers whatever
+Model.init_cache() returns (GDN/PRISM state + conv buffers, attention K/V). Conventions:
+  * every document starts with </s>: train.bin separates documents with it and never holds <s>,
+    so the exported tokenizer's bos_token is </s> (as GPT-2's bos and eos are both <|endoftext|>)
+    and tok(text) puts it in front; pad is <unk>, which the byte-fallback tokenizer never emits;
+  * padding: a recurrent state cannot mask tokens out, so left padding is refused with an error;
+    right padding is fine without a cache (scoring), and generate() takes unpadded prompts;
+  * greedy and sampled decoding and beam search run on the recurrent cache; assisted decoding
+    is refused by transformers for stateful models.
+"""
+import filecmp
+import os
+import shutil
+from dataclasses import fields
+
+import torch
+from transformers import GenerationMixin, PreTrainedModel, PretrainedConfig
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
+
+try:  # in an exported directory transformers imports this file as a package: model.py is a sibling
+    from .model import IGNORE_INDEX, Model, ModelConfig
+except ImportError:
+    if __package__:
+        raise
+    from model import IGNORE_INDEX, Model, ModelConfig  # in this repo
+
+logger = logging.get_logger(__name__)
+
+MODEL_TYPE = "prism_lm"
+AUTO_MAP = {"AutoConfig": "hf_modeling.PrismConfig", "AutoModelForCausalLM": "hf_modeling.PrismForCausalLM"}
+CODE_FILES = ("hf_modeling.py", "model.py", "prism_kernel.py")  # what an exported directory runs
+# transformers >= 5.24 calls the cache `cache`; earlier versions `past_key_values`
+CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+PADDING_HELP = ("a recurrent state (GDN/PRISM layers) cannot mask tokens out, so the supported "
+                "inputs are: right padding for scoring without a cache (tokenizer.padding_side='right'; "
+                "the padded positions' logits are meaningless), and unpadded prompts for generate() and "
+                "cached decoding (one prompt, or a batch of prompts of equal length)")
+
+
+class PrismConfig(PretrainedConfig):
+    """model.py's ModelConfig fields, flat in config.json, plus transformers' own keys."""
+    model_type = MODEL_TYPE
+    attribute_map = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer",
+                     "num_attention_heads": "n_head", "max_position_embeddings": "block_size"}
+
+    def __init__(self, **kwargs):
+        args = {f.name: kwargs.pop(f.name) for f in fields(ModelConfig) if f.name in kwargs}
+        cfg = ModelConfig(**args)  # validates; unset fields take model.py's defaults
+        for f in fields(ModelConfig):
+            v = getattr(cfg, f.name)
+            setattr(self, f.name, list(v) if isinstance(v, tuple) else v)
+        kwargs["tie_word_embeddings"] = cfg.tie_embeddings
+        super().__init__(**kwargs)
+
+    def model_config(self):
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})
+
+
+def _batch_tensors(obj, batch, seen=None):
+    """The tensors of a cache object whose first dimension is the batch, whatever its layout
+    (model.py's per-layer dicts, or any nesting of lists, tuples, dicts and plain objects)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() and obj.shape[0] == batch:
+            yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _batch_tensors(v, batch, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _batch_tensors(v, batch, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        for v in vars(obj).values():
+            yield from _batch_tensors(v, batch, seen)
+
+
+class PrismCache(Cache):
+    """transformers' handle on model.py's decoding cache: `state` is Model.init_cache(batch_size,
+    max_len), passed as is to Model.forward(cache=...); `seen` counts the tokens it holds.
+    max_len bounds only attention layers' static KV cache (the recurrent state has no limit)."""
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, model, batch_size, max_len):
+        try:
+            super().__init__(layers=[])
+        except TypeError:  # transformers before the layered Cache
+            super().__init__()
+        self.state = model.init_cache(batch_size, max_len)
+        self.batch = batch_size
+        self.seen = 0
+
+    def __repr__(self):
+        return f"PrismCache(batch={self.batch}, seen={self.seen})"
+
+    def __len__(self):
+        return len(self.state) if hasattr(self.state, "__len__") else 0
+
+    @property
+    def batch_size(self):
+        return self.batch
+
+    def get_seq_length(self, layer_idx=0):
+        return self.seen
+
+    def get_max_cache_shape(self, layer_idx=0):
+        return -1  # the recurrent state does not grow; attention K/V grow without a bound
+
+    def reorder_cache(self, beam_idx):
+        """Beam search: row i takes row beam_idx[i]'s state, in place (static buffers keep their address)."""
+        for t in _batch_tensors(self.state, self.batch):
+            t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("PrismCache: a recurrent state cannot be cropped, re-batched or "
+                                  "rolled back; use greedy, sampling or beam search decoding")
+
+    crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+def _install_kernel_file(config):
+    """Put prism_kernel.py beside model.py in transformers' module cache, where model.kernels()
+    imports it on CUDA. transformers copies only the files that this file imports, and importing
+    prism_kernel needs Triton, so it is fetched here (from the exported directory or the hub)."""
+    if not __package__:
+        return  # this repo: prism_kernel is a top-level module
+    dst = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prism_kernel.py")
+    name = str(getattr(config, "_name_or_path", "") or "")
+    src = None
+    if name:
+        from transformers.utils import cached_file
+        src = cached_file(name, "prism_kernel.py", revision=getattr(config, "_commit_hash", None),
+                          _raise_exceptions_for_missing_entries=False,
+                          _raise_exceptions_for_connection_errors=False)
+    if src and os.path.isfile(src):
+        if not (os.path.isfile(dst) and filecmp.cmp(src, dst, shallow=False)):
+            tmp = f"{dst}.tmp.{os.getpid()}"
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+    elif not os.path.isfile(dst) and torch.cuda.is_available():
+        logger.warning(f"prism_kernel.py not found in {name or 'the model directory'}: on CUDA the "
+                       "recurrence runs model.py's PyTorch chunk backend instead of the Triton kernels")
+
+
+class PrismForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = PrismConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"model.lm_head.weight": "model.wte.weight"}
+    _is_stateful = True               # transformers: no assisted decoding (it would roll the state back)
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Model(config.model_config())
+        _install_kernel_file(config)
+        self.post_init()
+
+    def _init_weights(self, module):
+        pass  # model.py initialises its own weights; from_pretrained then overwrites them all
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls):
+        return False  # generate() must not make a DynamicCache: forward() makes a PrismCache
+
+    def get_input_embeddings(self):
+        return self.model.wte
+
+    def set_input_embeddings(self, value):
+        self.model.wte = value
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value):
+        self.model.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, **kwargs):
+        """Logits [B, T, vocab] (and the loss of `labels`, shifted inside as transformers does).
+        With use_cache=True the call continues the sequence held in `cache` (a fresh PrismCache
+        when none is given) and returns it."""
+        if input_ids is None or inputs_embeds is not None:
+            raise ValueError("PrismForCausalLM takes input_ids (inputs_embeds is not supported)")
+        if output_attentions or output_hidden_states:
+            raise ValueError("PrismForCausalLM returns no attentions or hidden states")
+        cache = cache if cache is not None else past_key_values
+        use_cache = cache is not None if use_cache is None else use_cache
+        if attention_mask is not None and not bool(attention_mask.all()):
+            m = attention_mask.bool()
+            if use_cache or cache is not None:
+                raise ValueError(f"PrismForCausalLM: generate()/cached decoding got an attention_mask "
+                                 f"with zeros (padded prompts); {PADDING_HELP}")
+            if (m[:, 1:] & ~m[:, :-1]).any():
+                raise ValueError(f"PrismForCausalLM: attention_mask has zeros before real tokens "
+                                 f"(left padding); {PADDING_HELP}")
+        loss = None
+        if use_cache:
+            if labels is not None:
+                raise ValueError("PrismForCausalLM: labels (a loss) with use_cache=True are not supported")
+            if cache is None or (not isinstance(cache, PrismCache) and cache.get_seq_length() == 0):
+                # room for block_size tokens after the prompt (attention layers' static KV cache)
+                cache = PrismCache(self.model, input_ids.shape[0], input_ids.shape[1] + self.config.block_size)
+            elif not isinstance(cache, PrismCache):
+                raise ValueError(f"PrismForCausalLM needs its own PrismCache, got {type(cache).__name__}")
+            logits, _ = self.model(input_ids, cache=cache.state)
+            cache.seen += input_ids.shape[1]
+        elif labels is not None:  # transformers shifts inside: position t predicts labels[t + 1]
+            targets = torch.full_like(input_ids, IGNORE_INDEX)
+            targets[:, :-1] = labels[:, 1:].to(input_ids.device)
+            targets[targets == -100] = IGNORE_INDEX
+            logits, loss = self.model(input_ids, targets=targets, return_logits=True)
+            cache = None
+        else:
+            logits, _ = self.model(input_ids)
+            cache = None
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARG: cache})
+        return out if return_dict is not False else out.to_tuple()
+
+    def prepare_inputs_for_generation(self, input_ids, cache=None, past_key_values=None,
+                                      attention_mask=None, inputs_embeds=None, use_cache=True, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if inputs_embeds is not None:
+            raise ValueError("PrismForCausalLM.generate takes input_ids (inputs_embeds is not supported)")
+        if isinstance(cache, PrismCache) and cache.seen:
+            if cache.seen >= input_ids.shape[1]:
+                raise ValueError(f"the cache holds {cache.seen} tokens but input_ids only {input_ids.shape[1]}")
+            input_ids = input_ids[:, cache.seen:]  # only the tokens the state has not read yet
+        return {"input_ids": input_ids, "attention_mask": attention_mask, CACHE_ARG: cache,
+                "use_cache": use_cache}
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, plus the code files, so that a saved (or pushed)
+        directory loads with trust_remote_code=True like the exported one."""
+        self.config.auto_map = dict(AUTO_MAP)
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            here = os.path.dirname(os.path.abspath(__file__))
+            for name in CODE_FILES:
+                src, dst = os.path.join(here, name), os.path.join(save_directory, name)
+                if not os.path.isfile(src):
+                    logger.warning(f"{src} not found: {save_directory} will lack {name}")
+                elif not (os.path.isfile(dst) and os.path.samefile(src, dst)):
+                    shutil.copyfile(src, dst)
+        return out
