@@ -10,11 +10,10 @@ zero-shot set lambada_openai, piqa, hellaswag, winogrande, arc_easy, arc_challen
 openbookqa, sciq. Results go to --output (default: eval.json next to the checkpoint) together
 with a markdown table in the paper's layout (also printed, and written next to it as .md).
 
-Why a registered lm-eval `LM` subclass and not a transformers export: our model is one
-nn.Module with its own recurrent cache and kernels. An export would need a transformers
-config + modeling class kept in sync with model.py (or trust_remote_code), and lm-eval's HFLM
-would then drive it through generic code paths (attention masks, padding side, KV-cache
-objects) that do not fit a recurrent state. The adapter below is ~200 lines, calls model.py
+Why a registered lm-eval `LM` subclass beside the transformers export (export_hf.py, which
+lm-eval's own `hf` model can score too): our model is one nn.Module with its own recurrent
+cache and kernels, and HFLM drives a model through generic code paths (attention masks,
+padding side, KV-cache objects) made for attention. The adapter below calls model.py
 directly, and reuses lm-eval's own pieces where the scoring rules live (TemplateLM's
 context/continuation split, get_rolling_token_windows / make_disjoint_window), so the numbers
 follow HFLM's conventions exactly:

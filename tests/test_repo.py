@@ -26,6 +26,7 @@ SCRIPTS = {
     "bench/realtext_corpus.py": ("main", []),
     "bench/profile_model.py": ("main", ["Needs a CUDA GPU"]),
     "bench/bench_varlen.py": ("main", ["Needs a CUDA GPU"]),
+    "bench/bench_decode.py": ("main", ["needs a CUDA GPU"]),
 }
 
 
