@@ -23,7 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from prism_kernel import chunk_prism  # noqa: E402
-from train import atomic_write  # noqa: E402
+from checkpoint import atomic_write  # noqa: E402
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
