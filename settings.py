@@ -49,6 +49,7 @@ TRAIN_DEFAULTS = dict(
     device="auto",                   # "auto" = cuda if available else cpu
     dtype="auto",                    # "auto" = bfloat16 autocast on CUDA, float32 on CPU
     compile=False,                   # torch.compile the model (about a minute at the start)
+    fsdp=False,                      # FSDP2: shard weights, gradients and AdamW state over the ranks; sharded checkpoints
     backend=None,                    # "naive" | "chunk" | "triton" recurrence; None = triton on CUDA, else chunk
     chunk_size=64,                   # the chunk backend's chunk length (the Triton kernels use 64)
     activation_checkpointing=False,  # recompute each block in the backward: less memory, ~1/3 more compute

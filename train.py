@@ -8,6 +8,8 @@ One GPU:
     python train.py config/prism_130m.py
 DDP on one node (8 GPUs; the global batch stays what the config says):
     torchrun --standalone --nproc_per_node=8 train.py config/prism_130m.py
+FSDP (weights, gradients and AdamW state sharded over the GPUs; sharded checkpoints):
+    torchrun --standalone --nproc_per_node=8 train.py config/prism_1b3.py --fsdp=True
 Resume (picks the newest good checkpoint in out_dir):
     python train.py config/prism_130m.py --init_from=resume
 Every key, its default and its meaning (settings.py holds them):
@@ -36,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (CheckpointError, atomic_write, list_checkpoints, load_latest_checkpoint, load_model,
-                        rng_state, save_checkpoint, set_rng_state)
+from checkpoint import (CheckpointError, atomic_write, list_checkpoints, load_full_into_sharded,
+                        load_latest_checkpoint, load_model, load_sharded, rng_state, save_checkpoint,
+                        save_sharded, set_rng_state)
 from model import Model, ModelConfig
 from settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
 
@@ -50,11 +53,12 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 @dataclass
 class Env:
     """Where this process runs: its rank among `world` ranks, its device and its precision."""
-    ddp: bool
+    ddp: bool   # in a process group (DDP, or FSDP on any number of ranks)
     rank: int
     world: int
     device: torch.device
     dtype: str  # "float32" | "bfloat16" (autocast)
+    fsdp: bool = False  # weights, gradients and optimizer state sharded over the ranks
 
     @property
     def master(self):
@@ -77,7 +81,9 @@ class Env:
 
 def setup(cfg):
     """Join the process group (under torchrun), pick the device and the precision."""
-    ddp = int(os.environ.get("RANK", -1)) != -1 and int(os.environ.get("WORLD_SIZE", 1)) > 1
+    fsdp = cfg["fsdp"]
+    torchrun = int(os.environ.get("RANK", -1)) != -1
+    ddp = torchrun and (int(os.environ.get("WORLD_SIZE", 1)) > 1 or fsdp)
     world = int(os.environ["WORLD_SIZE"]) if ddp else 1
     G = cfg["gradient_accumulation_steps"]
     if G % world:
@@ -96,6 +102,14 @@ def setup(cfg):
         if want_cuda:
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+    elif fsdp:  # `python train.py --fsdp=True`: FSDP over a process group of one
+        ddp = True
+        device = torch.device(("cuda" if want_cuda else "cpu") if cfg["device"] == "auto" else cfg["device"])
+        if device.type == "cuda":
+            device = torch.device("cuda", device.index or 0)
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     else:
         device = torch.device("cuda" if cfg["device"] == "auto" and want_cuda else
                               "cpu" if cfg["device"] == "auto" else cfg["device"])
@@ -103,7 +117,14 @@ def setup(cfg):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return Env(ddp, rank, world, device, dtype)
+    return Env(ddp, rank, world, device, dtype, fsdp)
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -273,6 +294,8 @@ def build_model(cfg, env, model_args):
         raise UserError(str(e))
     raw_model = raw_model.to(env.device)
     raw_model.activation_checkpointing = cfg["activation_checkpointing"]
+    if env.fsdp:
+        shard_model(raw_model, env)
     optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                                (cfg["beta1"], cfg["beta2"]), env.device.type)
     return raw_model, optimizer
@@ -302,11 +325,26 @@ def init_weights_from(cfg, env, model_args):
     return model.state_dict()
 
 
+def shard_model(raw_model, env):
+    """FSDP2 in place: each block is one unit that is all-gathered for its forward and backward and
+    whose gradients are reduce-scattered; the root unit holds the rest (the embedding, the final
+    norm and the head: a tied head shares the embedding's weight, so they must be one unit).
+    Under bf16 the gathered weights are bf16 and gradients are reduced in float32; the sharded
+    weights the optimizer updates stay float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if env.dtype == "bfloat16" else MixedPrecisionPolicy())
+    for block in raw_model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(raw_model, mp_policy=mp)
+
+
 def wrap_model(raw_model, cfg, env):
     """The module the step runs: compiled and/or DDP-wrapped. raw_model keeps the weights that are
-    evaluated and saved."""
+    evaluated and saved. Under FSDP, raw_model is already sharded (in place) and is compiled whole,
+    as without FSDP; the kernels stay outside the graph either way."""
     model = torch.compile(raw_model) if cfg["compile"] else raw_model
-    if env.ddp:
+    if env.ddp and not env.fsdp:
         model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
     return model
 
@@ -336,8 +374,13 @@ def start_or_resume(cfg, env, data, raw_model, optimizer, model_args):
                and _norm(ckpt["config"][k]) != _norm(cfg[k])]
     env.log(f"resuming from {path} (iter {ckpt['iter_num']})"
             + (f"; train keys changed since: {', '.join(changed)}" if changed else ""))
-    raw_model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    if os.path.isdir(path):  # sharded (written with FSDP, on any number of ranks)
+        load_sharded(path, raw_model, optimizer)
+    elif env.fsdp:
+        load_full_into_sharded(raw_model, optimizer, ckpt)
+    else:
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
     rngs = ckpt.get("rng") or []
     if len(rngs) == env.world:
         set_rng_state(rngs[env.rank], env.device)
@@ -382,7 +425,8 @@ def forward_loss(model, x, y):
 
 def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested):
     """One optimizer step over the global batch. Gradients accumulate over this rank's
-    micro-steps (all-reduced on the last one only) and are clipped; a step whose loss or gradient
+    micro-steps (DDP: all-reduced on the last one only; FSDP: reduce-scattered after each, so that
+    no rank ever holds the whole model's gradient) and are clipped; a step whose loss or gradient
     is not finite on any rank is skipped, weights and optimizer state left as they were. One
     all-reduce also tells every rank whether any of them was asked to stop.
     Returns (mean loss, grad norm, skipped?, stop?) and advances `prog`."""
@@ -395,13 +439,15 @@ def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested
     for micro in range(accum):
         starts = data.order.starts(prog.data_pos, micro, env.rank, env.world, B, T)
         x, y = get_batch(data.paths["train"], starts, T, env.device)
-        with (model.no_sync() if env.ddp and micro < accum - 1 else nullcontext()):
+        with (model.no_sync() if env.ddp and not env.fsdp and micro < accum - 1 else nullcontext()):
             with env.autocast():
                 loss = forward_loss(model, x, y)
             loss_sum += loss.detach().float()
             (loss / accum).backward()
     clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
+    if env.fsdp:
+        grad_norm = grad_norm.full_tensor()  # a DTensor: the norm over all the ranks' shards
     bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
     flags = env.all_sum(torch.stack([loss_sum / accum, bad.float(),
                                      torch.tensor(float(stop_requested), device=env.device)]))
@@ -423,16 +469,18 @@ def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested
 
 @torch.no_grad()
 def evaluate(raw_model, data, cfg, env):
-    """Mean loss over the fixed val windows; the ranks split them."""
-    B, T = cfg["batch_size"], cfg["block_size"]
+    """Mean loss over the fixed val windows; the ranks split them. Under FSDP every forward gathers
+    weights from all ranks, so each rank runs as many as the busiest one; the extras count nothing."""
+    B, T, n = cfg["batch_size"], cfg["block_size"], cfg["eval_iters"]
     raw_model.eval()
-    starts = val_starts(data.n_val, T, cfg["eval_iters"] * B)
+    starts = val_starts(data.n_val, T, n * B)
     total = torch.zeros(2, device=env.device)
-    for i in range(env.rank, cfg["eval_iters"], env.world):
-        x, y = get_batch(data.paths["val"], starts[i * B:(i + 1) * B], T, env.device)
+    for i in range(env.rank, -(-n // env.world) * env.world if env.fsdp else n, env.world):
+        x, y = get_batch(data.paths["val"], starts[i % n * B:(i % n + 1) * B], T, env.device)
         with env.autocast():
             _, loss = raw_model(x, y)
-        total += torch.stack([loss.float(), torch.ones((), device=env.device)])
+        if i < n:
+            total += torch.stack([loss.float(), torch.ones((), device=env.device)])
     raw_model.train()
     total = env.all_sum(total)
     return (total[0] / total[1]).item()
@@ -442,7 +490,8 @@ def evaluate(raw_model, data, cfg, env):
 # checkpoints (written, verified and rotated by checkpoint.py)
 
 def save(cfg, env, raw_model, optimizer, prog, data, model_args):
-    """Every rank's RNG state goes to rank 0, which writes the checkpoint; the others wait."""
+    """Every rank's RNG state goes to rank 0, which writes the checkpoint; the others wait. Under
+    FSDP every rank writes its shards into one directory (checkpoint.save_sharded)."""
     if not cfg["save_checkpoints"]:
         return "nothing (save_checkpoints=False)"
     rngs = [None] * env.world
@@ -450,6 +499,10 @@ def save(cfg, env, raw_model, optimizer, prog, data, model_args):
         dist.all_gather_object(rngs, rng_state(env.device))
     else:
         rngs = [rng_state(env.device)]
+    if env.fsdp:
+        return save_sharded(cfg["out_dir"], raw_model, optimizer, {
+            **asdict(prog), "model_args": model_args, "config": cfg, "data_meta": data.meta,
+            "rng": rngs, "world_size": env.world}, cfg["keep_checkpoints"], env.log)
     path = None
     if env.master:
         path = save_checkpoint(cfg["out_dir"], {
@@ -557,7 +610,8 @@ def announce(cfg, env, raw_model):
     a = raw_model.config
     env.log(f"model: {raw_model.num_params(non_embedding=False) / 1e6:.2f}M parameters ({a.mixer}"
             f"{', attention at ' + str(list(a.attn_layers)) if a.attn_layers else ''}), "
-            f"backend {raw_model.backend}, device {env.device}, dtype {env.dtype}, world {env.world}")
+            f"backend {raw_model.backend}, device {env.device}, dtype {env.dtype}, world {env.world}"
+            + (" (FSDP)" if env.fsdp else ""))
     env.log(f"global batch: {B} seqs x {G // env.world} micro-steps x {env.world} ranks x {T} tokens = "
             f"{B * G * T:,} tokens/iter; {cfg['max_iters']} iters = "
             f"{fmt_tokens(cfg['max_iters'] * B * G * T)} tokens")
@@ -640,7 +694,7 @@ def oom_error(model, optimizer, cfg, env, iter_num):
         torch.cuda.empty_cache()
         try:
             x = torch.randint(0, cfg["vocab_size"], (b, T), device=env.device)
-            with (model.no_sync() if env.ddp else nullcontext()), env.autocast():
+            with (model.no_sync() if env.ddp and not env.fsdp else nullcontext()), env.autocast():
                 _, loss = model(x, x)
             loss.backward()
             return True
@@ -703,7 +757,10 @@ def train(cfg):
     model_args["eos_id"] = data_eos_id(data.meta, model_args)  # reset_at_eos cuts where the data does
     raw_model, optimizer = build_model(cfg, env, model_args)
     if init is not None:
-        raw_model.load_state_dict(init)
+        if env.fsdp:
+            load_full_into_sharded(raw_model, None, {"model": init})
+        else:
+            raw_model.load_state_dict(init)
         init = None
     prog = start_or_resume(cfg, env, data, raw_model, optimizer, model_args)
     resumed_at = prog.iter_num if cfg["init_from"] == "resume" else None
