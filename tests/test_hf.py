@@ -193,7 +193,9 @@ def test_sample_py_greedy_text(exports, capsys):
     for src in (ckpt, path):  # sample.py on the checkpoint, and on the exported directory
         sample.main(["--ckpt", src, "--start", PROMPT, "--num_samples", "1", "--max_new_tokens", "10",
                      "--temperature", "0", "--device", "cpu"])
-        texts.append(capsys.readouterr().out.split("---------------")[0].rstrip("\n"))
+        header, text = capsys.readouterr().out.split("\n", 1)
+        assert header == "=== sample 1/1 ==="
+        texts.append(text.rstrip("\n"))
     hf, tok = hf_model(path), AutoTokenizer.from_pretrained(path, trust_remote_code=True)
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     out = hf.generate(ids, max_new_tokens=10, do_sample=False)[0, 1:].tolist()
