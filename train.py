@@ -68,6 +68,7 @@ TRAIN_DEFAULTS = dict(
     debug_nan_iters=[],              # test hook: make the loss NaN at these iterations (1-based, as logged)
     # system
     seed=1337,
+    data_seed=-1,                    # DataOrder's seed; -1 = seed. Fix it to vary only the init
     device="auto",                   # "auto" = cuda if available else cpu
     dtype="auto",                    # "auto" = bfloat16 autocast on CUDA, float32 on CPU
     compile=False,
@@ -491,7 +492,7 @@ def train(cfg):
         top = max(int(data[i:i + 2**26].max()) for i in range(0, len(data), 2**26))
         if top >= model_args["vocab_size"]:
             raise UserError(f"{paths[split]} holds token id {top} >= vocab_size {model_args['vocab_size']}")
-    order = DataOrder(n_train, T, cfg["seed"])
+    order = DataOrder(n_train, T, cfg["data_seed"] if cfg["data_seed"] >= 0 else cfg["seed"])
 
     # --- model, optimizer, state
     os.makedirs(cfg["out_dir"], exist_ok=True)
