@@ -33,8 +33,9 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from checkpoint import atomic_write
 from model import PEAK_FLOPS, Model, ModelConfig, linear_cross_entropy, training_flops_per_token
-from train import UserError, atomic_write, model_args_of, parse_config
+from settings import UserError, model_args_of, parse_config
 
 # the table's rows: the 130M config files themselves, plus an override where a row differs
 SUITE = [

@@ -22,7 +22,7 @@ place: --out is the complete export or untouched.
 
 The other direction, for sample.py, eval/ and train.py --init_from:
     model, model_args = load_exported("hf/prism_130m")
-and sample.load_checkpoint reads an exported directory wherever it reads a checkpoint file.
+and checkpoint.load_model reads an exported directory wherever it reads a checkpoint file.
 """
 import argparse
 import dataclasses
@@ -34,6 +34,7 @@ import tempfile
 
 import torch
 
+from checkpoint import fsync_dir, load_model
 from model import ModelConfig
 
 MODEL_TYPE = "prism_lm"  # = hf_modeling.MODEL_TYPE (that file imports transformers; this one need not)
@@ -188,15 +189,9 @@ def _publishable(d):
 
 
 def _fsync_dir(d):
-    for p in (d, os.path.dirname(d)):
-        try:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+    """The directory's entries, and its own entry in its parent."""
+    fsync_dir(d)
+    fsync_dir(os.path.dirname(d))
 
 
 def verify(path, model, tok, dtype):
@@ -240,7 +235,6 @@ def _is_export(path):
 
 def export(ckpt, out, tokenizer=None, dtype="float32", force=False):
     """Write the transformers directory `out` for checkpoint `ckpt` (a file, or an exported dir)."""
-    from sample import load_checkpoint  # the checkpoint loader (may move to checkpoint.py)
     from tokenizer import load_tokenizer
     from transformers import GenerationConfig
 
@@ -254,7 +248,7 @@ def export(ckpt, out, tokenizer=None, dtype="float32", force=False):
             raise FileExistsError(f"{out} exists and is not a directory written by export_hf.py; "
                                   f"refusing to replace it")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model, meta = load_checkpoint(ckpt, "cpu", backend="chunk")
+    model, meta = load_model(ckpt, "cpu", backend="chunk")
     tok = load_tokenizer(tokenizer)
     check_vocab(tok, model, meta, ckpt)
     hf_tok = hf_tokenizer(tok)
@@ -313,7 +307,7 @@ def export(ckpt, out, tokenizer=None, dtype="float32", force=False):
 
 def read_exported(path):
     """An exported directory as a checkpoint dict ({"model": state dict in model.py's names,
-    "model_args", "data_meta"}), for sample.load_checkpoint. Needs safetensors, not transformers."""
+    "model_args", "data_meta"}), for checkpoint.load_model. Needs safetensors, not transformers."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -376,10 +370,9 @@ def exported_tokenizer(path):
 
 
 def load_exported(path, device="cpu", backend=None):
-    """(Model, model_args) from an exported directory, checked as sample.load_checkpoint checks
+    """(Model, model_args) from an exported directory, checked as checkpoint.load_model checks
     a checkpoint (same names, shapes, finite values)."""
-    from sample import load_checkpoint  # the checkpoint loader (may move to checkpoint.py)
-    model, meta = load_checkpoint(path, device, backend=backend)
+    model, meta = load_model(path, device, backend=backend)
     return model, meta["model_args"]
 
 

@@ -33,21 +33,21 @@ from torch.utils.checkpoint import checkpoint
 class ModelConfig:
     vocab_size: int = 32000          # Mistral-7B-v0.1 SentencePiece
     block_size: int = 2048           # training context; the recurrent mixers run at any length
-    n_layer: int = 12
-    n_head: int = 6
-    n_embd: int = 768
+    n_layer: int = 12                # blocks
+    n_head: int = 6                  # heads per mixer
+    n_embd: int = 768                # model width D
     head_dim: int = 128              # key width per head (GDN/PRISM); attention uses n_embd // n_head
     expand_v: float = 2.0            # value width per head = head_dim * expand_v (fla's GDN default)
     mlp_hidden: int = 0              # SwiGLU width; 0 = 8/3 * n_embd rounded up to a multiple of 256
-    dropout: float = 0.0
+    dropout: float = 0.0             # on the embeddings and residual branches; 0 for pretraining
     bias: bool = False               # bias in the Linear layers
     tie_embeddings: bool = True      # at 130M the 32000x768 table is 18% of the weights: share it
     mixer: str = "prism"             # "gdn" | "prism" | "attention"
     attn_layers: tuple = ()          # layer indices that use causal attention instead (hybrid)
     conv_size: int = 4               # causal depthwise conv on q, k, v
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    init_std: float = 0.02
+    norm_eps: float = 1e-6           # RMSNorm epsilon
+    rope_theta: float = 10000.0      # RoPE base of the attention layers
+    init_std: float = 0.02           # std of the normal init (GPT-2's)
     # PRISM solver (PRISM_SPEC.md §2.3); ignored unless mixer == "prism"
     solver_steps: int = 3            # L; 1 = GDN exactly
     solver_rank: int = 64            # r of the D -> r -> out projections from the anchor
@@ -56,10 +56,10 @@ class ModelConfig:
     solver_gain: bool = True         # contextual gain p from the anchor; False: p = 1
     solver_keys: str = "own"         # "own" | "shared" | "base"
     solver_mode: str = "gelu"        # "gelu" (Algorithm 1) | "linear" (closed form)
-    anchor_conv_size: int = 4
+    anchor_conv_size: int = 4        # width of the anchor's short conv
     # packed documents: train.bin joins them with EOS. reset_at_eos starts a new segment at every
     # EOS (the EOS is its first token): no state, conv tap or attention reaches across it
-    reset_at_eos: bool = False
+    reset_at_eos: bool = False       # start a new segment at every EOS: nothing reaches across documents
     eos_id: int = 2                  # Mistral's </s>; train.py checks it against the data's meta.json
 
     def __post_init__(self):

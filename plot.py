@@ -8,9 +8,12 @@ One line per log for the training loss (optionally smoothed), dashed with marker
 validation loss. The label of each run is its directory name.
 """
 import argparse
+import io
 import json
 import os
 import sys
+
+from checkpoint import atomic_write
 
 
 def read_log(path):
@@ -76,9 +79,9 @@ def main(argv=None):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = a.out + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, a.out)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format=os.path.splitext(a.out)[1][1:] or "png")
+    atomic_write(a.out, buf.getvalue())
     print(f"wrote {a.out}")
 
 

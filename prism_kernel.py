@@ -1,51 +1,58 @@
 """
 Triton kernels for the PRISM recurrence: the gated delta rule plus L-1 extra rank-1 writes
-per token (PRISM_SPEC.md §3), forward and backward, chunk-parallel with chunks of C = 64.
+per token (PRISM_SPEC.md §3), forward and backward, chunk-parallel (chunks of C = 64 tokens;
+32 for float32 at K = 256), fixed-length batches or packed sequences (cu_seqlens).
 
     S_t = exp(g_t) S_{t-1};  u_t = beta_t (v_t - S_t^T k_t);  S_t += k_t u_t^T + sum_l ke_tl ve_tl^T
     o_t = S_t^T (scale q_t)
 
 Entry points:
     chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                output_final_state=False) -> (o, final_state)        # autograd-aware
-    recurrent_prism_step(q, k, v, g, beta, ke, ve, scale, state) -> (o, new_state)   # decoding
-    causal_conv(x, weight, silu=True) -> y                # the layers' short conv, autograd-aware
+                output_final_state=False, cu_seqlens=None) -> (o, final_state)   # autograd-aware
+    recurrent_prism_step, conv_step, ...  # decoding against a cache: the last section documents them
+    causal_conv(x, weight, silu=True, cu_seqlens=None) -> y   # the layers' short conv, autograd-aware
 
 Per chunk (local positions t, i; G = in-chunk cumulative log-decay; Gam[t,i] = exp(G_t - G_i)):
     A  = diag(beta) (Gam * strict_tril(K K^T)),   E_l = Gam * strict_tril(K Ke_l^T)
     Tm = (I + A)^-1                                 (forward substitution, C x C)
     W  = Tm diag(beta exp(G)) K,   U' = Tm diag(beta) (V - sum_l E_l Ve_l)
+    R  = sum_l Ke_l^T diag(exp(G_C - G)) Ve_l       (the rows' own state term: no S0 in it)
     U  = U' - W S0                                  (in the sequential state pass)
     O  = scale [diag(exp G) Q S0 + (Gam * tril(Q K^T)) U + sum_l (Gam * tril(Q Ke_l^T)) Ve_l]
-    S' = exp(G_C) S0 + [K; Ke]^T diag(exp(G_C - G)) [U; Ve]
+    S' = exp(G_C) S0 + K^T diag(exp(G_C - G)) U + R
 Every decay is exp of a difference of in-chunk cumulative log-decays with the later index
 first, so it lies in [0, 1]: no overflow for any T and any decay (masked entries are zeroed
 before exp). The injected rows write without erasing, so the triangular solve stays C x C.
 
-Kernels (grid in brackets; NT chunks, NV value blocks, BH = batch*heads):
-  forward:  _fwd_prep [NT, BH]  -> G, Tm, W, U'       _fwd_state [NV, BH] -> h (chunk states), U
-            _fwd_out [NV, NT, BH] -> O
-  backward: _bwd_dv_local [NV, NT, BH] -> scale P^T dO   _bwd_state [NV, BH] -> dh (reverse), dU, dS0
-            _bwd_rows [NT, BH, L-1] -> dke, dve and float32 partials of dq, dk, dbeta, dg
-                                        (one injected row per program)
-            _bwd_local [NT, BH] -> dq, dk, dv, dbeta, dg (GDN's chunk-local terms + the partials)
-The injected rows get programs of their own because holding their terms and GDN's in one
-program spilled registers in proportion to L (bench/KERNEL_NOTES.md, version 3).
+Kernels (grid in brackets; NC chunks over all sequences, NV value blocks, N sequences, H heads):
+  forward:  _fwd_prep [NC, H] -> G, Tm, W, U', R    _fwd_state [NV, N*H] -> h (chunk states), U
+            _fwd_out [NV, NC, H] -> O
+  backward: _bwd_dv_local [NV, NC, H] -> scale P^T dO   _bwd_state [NV, N*H] -> dh (reverse), dU, dS0
+            _bwd_rows [NC, H, L-1] -> dke, dve and float32 partials of dq, dk, dbeta, dg
+                                      (one injected row per program)
+            _bwd_local [NC, H] -> dq, dk, dv, dbeta, dg (GDN's chunk-local terms + the partials)
+The sequential passes do the same work at every L (R comes precomputed; the backward state
+pass never sees the rows). The injected rows' backward has programs of its own because holding
+their terms and GDN's in one program spilled registers in proportion to L.
+Packed sequences: every sequence starts a new chunk (chunk_indices maps a chunk program to its
+sequence and chunk); the state passes run one program per sequence, head and value block.
+All loads are plain pointer arithmetic with masks (no block pointers: Triton 3.6 to 3.9), and
+every offset that is a product of sizes is int64. launch_config holds every block size, warp
+count and pipeline depth (bench/KERNEL_NOTES.md: the rules and their shared-memory estimates).
 The backward is derived by hand (see _bwd_local's comments); tests/test_kernel.py checks every
 gradient against autograd through the float64 token-by-token recurrence.
 
 Precision: the state and all accumulators are float32. float32 inputs use tf32x3 dot
-products (about float32 accuracy on the tensor cores); bf16/fp16 inputs feed the tensor cores in their own dtype (like
-flash-linear-attention), the saved chunk states h and pseudo-values U are kept in that dtype.
+products (about float32 accuracy on the tensor cores); bf16/fp16 inputs feed the tensor cores
+in their own dtype (like flash-linear-attention), the saved chunk states h and pseudo-values U
+are kept in that dtype.
 """
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-CHUNK = 64
 # Debug: fill every buffer this module allocates with NaN before the kernels write it, so a
 # test can prove every element it reads back was written.
 POISON = os.environ.get("PRISM_KERNEL_POISON", "0") == "1"
@@ -80,27 +87,91 @@ def _decay_masks(b_gc, BT: tl.constexpr):
     return gam_s, gam_c
 
 
+@triton.jit
+def _ptrs(x, off, stride, c0, BR: tl.constexpr, BC: tl.constexpr):
+    # pointers of the [BR, BC] tile at rows 0..BR-1, columns c0.. of a row-major view starting at
+    # x + off (off int64) with row stride `stride`; in-tile offsets (< BR * stride) fit int32
+    return x + off + tl.arange(0, BR)[:, None] * stride + (c0 + tl.arange(0, BC))[None, :]
+
+
+@triton.jit
+def _tile(x, off, stride, n_rows, c0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    # pointers and mask of the [BR, BC] tile at rows 0..BR-1, columns c0.. of a row-major view
+    # that starts at x + off (off int64) with row stride `stride`; rows >= n_rows and columns
+    # >= n_cols are masked. In-tile offsets are < BR * stride, so int32 is enough there.
+    o_r = tl.arange(0, BR)
+    o_c = c0 + tl.arange(0, BC)
+    return x + off + o_r[:, None] * stride + o_c[None, :], (o_r < n_rows)[:, None] & (o_c < n_cols)[None, :]
+
+
+@triton.jit
+def _tile_t(x, off, stride, n_rows, n_cols, BC: tl.constexpr, BR: tl.constexpr):
+    # the same view's [BR, BC] tile loaded transposed, as [BC, BR] (column c, row r): a dot's
+    # left operand straight from memory, no transpose in registers
+    o_r = tl.arange(0, BR)
+    o_c = tl.arange(0, BC)
+    return x + off + o_c[:, None] + o_r[None, :] * stride, (o_c < n_cols)[:, None] & (o_r < n_rows)[None, :]
+
+
+@triton.jit
+def _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # chunk program -> (its chunk within the sequence, the sequence's first token, its end), the
+    # token indices int64. Fixed length: B sequences of T back to back, chunk id = i_b * NT + i_t.
+    # Packed: chunk_indices[i_c] = (sequence, chunk); every sequence starts a new chunk.
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        NT = tl.cdiv(T, BT)
+        i_t = i_c % NT
+        bos = (i_c // NT).to(tl.int64) * T
+        eos = bos + T
+    return i_t, bos, eos
+
+
+@triton.jit
+def _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # sequence program -> (first token, end token, id of its first chunk), all int64
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return bos, eos, boc
+
+
 # ----------------------------------------------------------------------------------------------
 # forward
+#
+# Layouts: token tensors [B,T,H,D] (packed: B = 1), rows of one head have stride H*D; ke, ve
+# [B,T,H,NE,D], stride H*NE*D. Per-chunk buffers are indexed by chunk-head ch = i_c * H + i_h:
+# gc [NC,H,BT] float32, tinv [NC,H,BT,BT], h and dh [NC,H,K,V]. Every product that can pass
+# 2^31 (token * H * D, ch * K * V) is formed in int64.
 
 @triton.jit(do_not_specialize=["T"])
-def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, T,
-              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, hr, cu_seqlens, chunk_indices, T, H: tl.constexpr,
+              K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              F32: tl.constexpr, DT: tl.constexpr):
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+              F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    t_idx = i_t * BT + o_t
-    m_t = t_idx < T
+    m_t = o_t < nt
     # in-chunk cumulative log-decay; padded tokens have g = 0, so G stays at its last value
-    b_g = tl.load(g + (i_b * T + t_idx) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_g = tl.load(g + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
     b_gc = tl.cumsum(b_g, axis=0)
-    tl.store(gc + (i_bh * NT + i_t) * BT + o_t, b_gc)
-    b_beta = tl.load(beta + (i_b * T + t_idx) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
+    tl.store(gc + ch * BT + o_t, b_gc)
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
+    p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
     gam_s, _ = _decay_masks(b_gc, BT)
     b_A = _dot(b_k, tl.trans(b_k), F32, DT) * gam_s * b_beta[:, None]
     # Tm = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i,j] Tm[j,:]
@@ -110,182 +181,197 @@ def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, T,
         a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.), axis=0)
         row = -tl.sum(a_i[:, None] * b_T, axis=0) + tl.where(o_t == i, 1., 0.)
         b_T = tl.where(o_t[:, None] == i, row[None, :], b_T)
-    p_T = tl.make_block_ptr(tinv + (i_bh * NT + i_t) * BT * BT, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
     tl.store(p_T, b_T.to(p_T.dtype.element_ty))
     # W = Tm diag(beta exp(G)) K
     b_w = _dot(b_T, b_k.to(tl.float32) * (b_beta * tl.exp(b_gc))[:, None], F32, DT)
-    p_w = tl.make_block_ptr(w + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
-    # U' = Tm diag(beta) (V - sum_l E_l Ve_l)
+    p_w = _ptrs(w, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_k)
+    # U' = Tm diag(beta) (V - sum_l E_l Ve_l); the rows' own state term per chunk,
+    # R = sum_l Ke_l^T diag(exp(G_C - G)) Ve_l, does not depend on the state: it is formed here,
+    # in parallel over chunks, and the sequential pass only adds it
+    b_gl = tl.sum(tl.where(o_t == BT - 1, b_gc, 0.), axis=0)
+    e_end = tl.exp(b_gl - b_gc)
     for i_v in range(tl.cdiv(V, BV)):
-        p_v = tl.make_block_ptr(v + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_acc = tl.load(p_v, boundary_check=(0, 1)).to(tl.float32)
+        p_v, m_v = _tile(v, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        b_acc = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        if NE > 0:
+            b_r = tl.zeros([BK, BV], dtype=tl.float32)
         for l in tl.static_range(NE):
-            p_ke = tl.make_block_ptr(ke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                     (i_t * BT, 0), (BT, BK), (1, 0))
-            p_ve = tl.make_block_ptr(ve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                     (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-            b_ke = tl.load(p_ke, boundary_check=(0, 1))
-            b_ve = tl.load(p_ve, boundary_check=(0, 1))
-            b_E = _dot(b_k, tl.trans(b_ke), F32, DT) * gam_s
+            p_keT, m_keT = _tile_t(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, K, BK, BT)
+            p_ve = _ptrs(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, i_v * BV, BT, BV)
+            b_keT = tl.load(p_keT, mask=m_keT, other=0.)
+            b_ve = tl.load(p_ve, mask=m_v, other=0.)
+            b_E = _dot(b_k, b_keT, F32, DT) * gam_s
             b_acc -= _dot(b_E, b_ve, F32, DT)
+            b_r += _dot(b_keT, b_ve.to(tl.float32) * e_end[:, None], F32, DT)
         b_u = _dot(b_T, b_acc * b_beta[:, None], F32, DT)
-        p_u = tl.make_block_ptr(u + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+        p_u = _ptrs(u, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
+        if NE > 0:
+            p_r, m_r = _tile(hr, ch * K * V, V, K, i_v * BV, V, BK, BV)
+            tl.store(p_r, b_r.to(p_r.dtype.element_ty), mask=m_r)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _fwd_state(k, ke, ve, w, u, gc, h, h0, ht, T,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+def _fwd_state(k, w, u, gc, hr, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               F32: tl.constexpr, DT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
-    # sequential over chunks: store the entering state, turn U' into U, advance the state
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+               F32: tl.constexpr, DT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+               IS_VARLEN: tl.constexpr):
+    # sequential over one sequence's chunks: store the entering state, turn U' into U, advance
+    #   U = U' - W S0;   S' = exp(G_C) S0 + K^T diag(exp(G_C - G)) U + R   (R: the rows, from _fwd_prep)
+    # The decay scales the narrow [BT, BV] operand, and K comes transposed from memory.
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos, boc = _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
+    s_off = i_nh.to(tl.int64) * K * V
     if HAS_H0:
-        p_h0 = tl.make_block_ptr(h0 + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        b_h = tl.load(p_h0, boundary_check=(0, 1)).to(tl.float32)
+        p_h0, m_h = _tile(h0, s_off, V, K, i_v * BV, V, BK, BV)
+        b_h = tl.load(p_h0, mask=m_h, other=0.).to(tl.float32)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    for i_t in range(NT):
-        p_h = tl.make_block_ptr(h + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
-        p_w = tl.make_block_ptr(w + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_u = tl.make_block_ptr(u + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_w = tl.load(p_w, boundary_check=(0, 1))
-        b_k = tl.load(p_k, boundary_check=(0, 1))
-        b_u = tl.load(p_u, boundary_check=(0, 1)).to(tl.float32) - _dot(b_w, b_h, F32, DT)
-        tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
-        b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
-        b_gl = tl.load(gc + (i_bh * NT + i_t) * BT + BT - 1)
-        b_dec = tl.exp(b_gl - b_gc)
-        b_hn = b_h * tl.exp(b_gl) + _dot(tl.trans(b_k.to(tl.float32) * b_dec[:, None]), b_u, F32, DT)
-        for l in tl.static_range(NE):
-            p_ke = tl.make_block_ptr(ke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                     (i_t * BT, 0), (BT, BK), (1, 0))
-            p_ve = tl.make_block_ptr(ve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                     (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-            b_ke = tl.load(p_ke, boundary_check=(0, 1))
-            b_ve = tl.load(p_ve, boundary_check=(0, 1))
-            b_hn += _dot(tl.trans(b_ke.to(tl.float32) * b_dec[:, None]), b_ve, F32, DT)
-        b_h = b_hn
+    for i_t in range(tl.cdiv(eos - bos, BT)):
+        t0 = bos + i_t * BT
+        nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
+        ch = (boc + i_t) * H + i_h
+        p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
+        p_w, m_k = _tile(w, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+        p_kT, m_kT = _tile_t(k, (t0 * H + i_h) * K, H * K, nt, K, BK, BT)
+        p_u, m_v = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        b_w = tl.load(p_w, mask=m_k, other=0.)
+        b_kT = tl.load(p_kT, mask=m_kT, other=0.)
+        b_u = tl.load(p_u, mask=m_v, other=0.).to(tl.float32) - _dot(b_w, b_h, F32, DT)
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
+        b_gc = tl.load(gc + ch * BT + o_t)
+        b_gl = tl.load(gc + ch * BT + BT - 1)
+        b_h = b_h * tl.exp(b_gl) + _dot(b_kT, b_u * tl.exp(b_gl - b_gc)[:, None], F32, DT)
+        if NE > 0:
+            p_r = _ptrs(hr, ch * K * V, V, i_v * BV, BK, BV)
+            b_h += tl.load(p_r, mask=m_h, other=0.).to(tl.float32)
     if STORE_HT:
-        p_ht = tl.make_block_ptr(ht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_ht, b_h, boundary_check=(0, 1))
+        p_ht, m_h = _tile(ht, s_off, V, K, i_v * BV, V, BK, BV)
+        tl.store(p_ht, b_h, mask=m_h)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, T,
-             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, cu_seqlens, chunk_indices, T, H: tl.constexpr,
+             K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             F32: tl.constexpr, DT: tl.constexpr):
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+             F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
+    b_gc = tl.load(gc + ch * BT + o_t)
     _, gam_c = _decay_masks(b_gc, BT)
-    p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_h = tl.make_block_ptr(h + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-    p_u = tl.make_block_ptr(u + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
-    b_h = tl.load(p_h, boundary_check=(0, 1))
-    b_u = tl.load(p_u, boundary_check=(0, 1))
+    p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
+    p_u, m_v = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    b_h = tl.load(p_h, mask=m_h, other=0.)
+    b_u = tl.load(p_u, mask=m_v, other=0.)
     b_o = _dot(b_q, b_h, F32, DT) * tl.exp(b_gc)[:, None]
     b_P = _dot(b_q, tl.trans(b_k), F32, DT) * gam_c
     b_o += _dot(b_P, b_u, F32, DT)
     for l in tl.static_range(NE):
-        p_ke = tl.make_block_ptr(ke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                 (i_t * BT, 0), (BT, BK), (1, 0))
-        p_ve = tl.make_block_ptr(ve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                 (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_ke = tl.load(p_ke, boundary_check=(0, 1))
-        b_ve = tl.load(p_ve, boundary_check=(0, 1))
+        p_ke = _ptrs(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
+        p_ve = _ptrs(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, i_v * BV, BT, BV)
+        b_ke = tl.load(p_ke, mask=m_k, other=0.)
+        b_ve = tl.load(p_ve, mask=m_v, other=0.)
         b_Pl = _dot(b_q, tl.trans(b_ke), F32, DT) * gam_c
         b_o += _dot(b_Pl, b_ve, F32, DT)
-    p_o = tl.make_block_ptr(o + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), boundary_check=(0, 1))
+    p_o = _ptrs(o, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+    tl.store(p_o, (b_o * scale).to(p_o.dtype.element_ty), mask=m_v)
 
 
 # ----------------------------------------------------------------------------------------------
 # backward
 
 @triton.jit(do_not_specialize=["T"])
-def _bwd_dv_local(q, k, gc, do, du, scale, T,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _bwd_dv_local(q, k, gc, do, du, scale, cu_seqlens, chunk_indices, T, H: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  F32: tl.constexpr, DT: tl.constexpr):
+                  F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # the output's direct pull on U: dU_local = scale (Gam * tril(Q K^T))^T dO
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
+    b_gc = tl.load(gc + ch * BT + o_t)
     _, gam_c = _decay_masks(b_gc, BT)
-    p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_do = tl.make_block_ptr(do + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
-    b_do = tl.load(p_do, boundary_check=(0, 1))
+    p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    p_do, m_v = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    b_do = tl.load(p_do, mask=m_v, other=0.)
     b_P = _dot(b_q, tl.trans(b_k), F32, DT) * gam_c * scale
     b_du = _dot(tl.trans(b_P), b_do, F32, DT)
-    p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    tl.store(p_du, b_du.to(p_du.dtype.element_ty), boundary_check=(0, 1))
+    p_du = _ptrs(du, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+    tl.store(p_du, b_du.to(p_du.dtype.element_ty), mask=m_v)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, T,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               F32: tl.constexpr, DT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+               F32: tl.constexpr, DT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+               IS_VARLEN: tl.constexpr):
     # reverse over chunks. dS = grad of the state leaving chunk n. Per chunk:
     #   dU  = dU_local + diag(exp(G_C - G)) K dS                      (stored over dU_local)
     #   dS0 = exp(G_C) dS + scale (diag(exp G) Q)^T dO - W^T dU          (W^T dU = K^T diag(b e^G) Tm^T dU)
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos, boc = _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
+    s_off = i_nh.to(tl.int64) * K * V
     if HAS_DHT:
-        p_dht = tl.make_block_ptr(dht + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        b_dh = tl.load(p_dht, boundary_check=(0, 1)).to(tl.float32)
+        p_dht, m_h = _tile(dht, s_off, V, K, i_v * BV, V, BK, BV)
+        b_dh = tl.load(p_dht, mask=m_h, other=0.).to(tl.float32)
     else:
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    for i_t in range(NT - 1, -1, -1):
-        p_dh = tl.make_block_ptr(dh + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
-        b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
-        b_gl = tl.load(gc + (i_bh * NT + i_t) * BT + BT - 1)
-        p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_w = tl.make_block_ptr(w + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_do = tl.make_block_ptr(do + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_q = tl.load(p_q, boundary_check=(0, 1))
-        b_k = tl.load(p_k, boundary_check=(0, 1))
-        b_w = tl.load(p_w, boundary_check=(0, 1))
-        b_do = tl.load(p_do, boundary_check=(0, 1))
-        b_du = tl.load(p_du, boundary_check=(0, 1)).to(tl.float32)
-        b_du += _dot(b_k.to(tl.float32) * tl.exp(b_gl - b_gc)[:, None], b_dh, F32, DT)
-        tl.store(p_du, b_du.to(p_du.dtype.element_ty), boundary_check=(0, 1))
-        b_qg = b_q.to(tl.float32) * (scale * tl.exp(b_gc))[:, None]
-        b_dh = b_dh * tl.exp(b_gl) + _dot(tl.trans(b_qg), b_do, F32, DT) - _dot(tl.trans(b_w), b_du, F32, DT)
+    for i_t in range(tl.cdiv(eos - bos, BT) - 1, -1, -1):
+        t0 = bos + i_t * BT
+        nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
+        ch = (boc + i_t) * H + i_h
+        p_dh, m_h = _tile(dh, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), mask=m_h)
+        b_gc = tl.load(gc + ch * BT + o_t)
+        b_gl = tl.load(gc + ch * BT + BT - 1)
+        p_qT, m_kT = _tile_t(q, (t0 * H + i_h) * K, H * K, nt, K, BK, BT)
+        p_wT, m_wT = _tile_t(w, (t0 * H + i_h) * K, H * K, nt, K, BK, BT)
+        p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+        p_do, m_v = _tile(do, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_du = _ptrs(du, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        b_qT = tl.load(p_qT, mask=m_kT, other=0.)
+        b_wT = tl.load(p_wT, mask=m_wT, other=0.)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_du = tl.load(p_du, mask=m_v, other=0.).to(tl.float32)
+        b_du += _dot(b_k, b_dh, F32, DT) * tl.exp(b_gl - b_gc)[:, None]
+        tl.store(p_du, b_du.to(p_du.dtype.element_ty), mask=m_v)
+        b_dos = b_do.to(tl.float32) * (scale * tl.exp(b_gc))[:, None]
+        b_dh = b_dh * tl.exp(b_gl) + _dot(b_qT, b_dos, F32, DT) - _dot(b_wT, b_du, F32, DT)
     if STORE_DH0:
-        p_dh0 = tl.make_block_ptr(dh0 + i_bh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_dh0, b_dh, boundary_check=(0, 1))
+        p_dh0, m_h = _tile(dh0, s_off, V, K, i_v * BV, V, BK, BV)
+        tl.store(p_dh0, b_dh, mask=m_h)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
-               dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, T,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+               dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu_seqlens, chunk_indices, T, H: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               F32: tl.constexpr, DT: tl.constexpr):
+               F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # Everything chunk-local, given S0 = h[n], dS = dh[n] (grad of the leaving state) and the
     # full dU. Notation: R = diag(b)(V - sum_l E_l Ve_l - diag(e^G) K S0), U = Tm R.
     #   dR = Tm^T dU;  dA = -strict(dR U^T);  dV = b dR;  dE_l = -diag(b) strict(dR Ve_l^T)
@@ -296,25 +382,26 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     # would cancel O(1) diagonal terms in float32 and drown the tiny true dg of fast decays.
     # Register budget: only dq, dk ([C, K] float32) and two C x C accumulators live across the
     # value loop; row sums such as k_i . (dS^T u_i) are taken as sum_v u_iv (K dS)_iv instead.
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    t_idx = i_t * BT + o_t
-    m_t = t_idx < T
+    m_t = o_t < nt
     m_s = o_t[:, None] > o_t[None, :]
     m_c = o_t[:, None] >= o_t[None, :]
     last = o_t == BT - 1
-    b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
-    b_gl = tl.load(gc + (i_bh * NT + i_t) * BT + BT - 1)
+    b_gc = tl.load(gc + ch * BT + o_t)
+    b_gl = tl.load(gc + ch * BT + BT - 1)
     e_g = tl.exp(b_gc)
     e_end = tl.exp(b_gl - b_gc)
-    b_beta = tl.load(beta + (i_b * T + t_idx) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_T = tl.make_block_ptr(tinv + (i_bh * NT + i_t) * BT * BT, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
+    p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
     b_Tt = tl.trans(tl.load(p_T))
     s_dk = -b_beta * e_g                               # row scale of dR S0^T in dk
 
@@ -329,27 +416,26 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     # the injected rows' dk and dbeta parts from _bwd_rows (dq's comes at the end: dq is rescaled
     # after the value loop); adding them here, where the accumulators are live anyway, spills least
     for l in tl.static_range(NE):
-        p_dkp = tl.make_block_ptr(dkp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                  (i_t * BT, 0), (BT, BK), (1, 0))
-        b_dk += tl.load(p_dkp, boundary_check=(0, 1))
-        b_db += tl.load(dbp + ((i_b * T + t_idx) * H + i_h) * NE + l, mask=m_t, other=0.)
+        p_dkp = _ptrs(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
+        b_dk += tl.load(p_dkp, mask=m_k, other=0.)
+        b_db += tl.load(dbp + (t0 * H + i_h) * NE + l + o_t * (H * NE), mask=m_t, other=0.)
     for i_v in range(tl.cdiv(V, BV)):
-        p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_u = tl.make_block_ptr(u + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_do = tl.make_block_ptr(do + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_v = tl.make_block_ptr(v + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_h = tl.make_block_ptr(h + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        p_dh = tl.make_block_ptr(dh + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        b_du = tl.load(p_du, boundary_check=(0, 1))
-        b_u = tl.load(p_u, boundary_check=(0, 1))
-        b_do = tl.load(p_do, boundary_check=(0, 1))
-        b_h = tl.load(p_h, boundary_check=(0, 1))
-        b_dh = tl.load(p_dh, boundary_check=(0, 1))
+        p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_u = _ptrs(u, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_do = _ptrs(do, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_v = _ptrs(v, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        p_dh = _ptrs(dh, ch * K * V, V, i_v * BV, BK, BV)
+        b_du = tl.load(p_du, mask=m_v, other=0.)
+        b_u = tl.load(p_u, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        b_dh = tl.load(p_dh, mask=m_h, other=0.)
         b_dr = _dot(b_Tt, b_du, F32, DT)
-        p_dv = tl.make_block_ptr(dv + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_dv, (b_dr * b_beta[:, None]).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
+        p_dv = _ptrs(dv, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        tl.store(p_dv, (b_dr * b_beta[:, None]).to(p_dv.dtype.element_ty), mask=m_v)
         b_ks = _dot(b_k, b_h, F32, DT)
-        b_db += tl.sum(b_dr * (tl.load(p_v, boundary_check=(0, 1)).to(tl.float32) - e_g[:, None] * b_ks), axis=1)
+        b_db += tl.sum(b_dr * (tl.load(p_v, mask=m_v, other=0.).to(tl.float32) - e_g[:, None] * b_ks), axis=1)
         b_dgc += tl.sum(b_dr * b_ks, axis=1) * s_dk
         b_dgc += tl.sum(b_do.to(tl.float32) * _dot(b_q, b_h, F32, DT), axis=1) * (scale * e_g)
         b_x += tl.sum(b_u.to(tl.float32) * _dot(b_k, b_dh, F32, DT), axis=1)
@@ -385,49 +471,211 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     b_Y = tl.dot(tl.where(o_t[None, :] >= o_t[:, None], 1., 0.), b_Ds, input_precision="tf32x3")
     b_dg += tl.sum(tl.where(o_t[None, :] < o_t[:, None], b_Y, 0.), axis=1)
     for l in tl.static_range(NE):
-        p_dqp = tl.make_block_ptr(dqp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                                  (i_t * BT, 0), (BT, BK), (1, 0))
-        b_dq += tl.load(p_dqp, boundary_check=(0, 1))
-        b_dg += tl.load(dgp + ((i_b * T + t_idx) * H + i_h) * NE + l, mask=m_t, other=0.)
-    p_dq = tl.make_block_ptr(dq + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_dk = tl.make_block_ptr(dk + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(dbeta + (i_b * T + t_idx) * H + i_h, b_db, mask=m_t)
-    tl.store(dg + (i_b * T + t_idx) * H + i_h, b_dg, mask=m_t)
+        p_dqp = _ptrs(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
+        b_dq += tl.load(p_dqp, mask=m_k, other=0.)
+        b_dg += tl.load(dgp + (t0 * H + i_h) * NE + l + o_t * (H * NE), mask=m_t, other=0.)
+    p_dq = _ptrs(dq, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    p_dk = _ptrs(dk, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_k)
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_k)
+    tl.store(dbeta + t0 * H + i_h + o_t * H, b_db, mask=m_t)
+    tl.store(dg + t0 * H + i_h + o_t * H, b_dg, mask=m_t)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp, dgp, scale, T,
-              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
-              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              F32: tl.constexpr, DT: tl.constexpr):
-    # The injected rows: E_l in the solve, P_l in the output, (Ke_l, Ve_l) in the state; one row
-    # l per program (grid [NT, BH, NE]) so that no program holds the row terms and GDN's at once
-    # (register spills). dke, dve are final; the dq, dk, dbeta and dg contributions go to float32
-    # partials that _bwd_local adds. dg's part is this row's own box sum (the box sum is linear).
-    i_t, i_bh, l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+def _bwd_local_cc(q, k, v, beta, gc, tinv, h, dh, u, du, do, dv, dbeta, dg, dbp, dgp, mm, scale,
+                  cu_seqlens, chunk_indices, T, H: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # _bwd_local with K in blocks of BK < K, first half: the per-token and C x C terms (dv, dbeta
+    # and dg complete), every contraction over K summed block by block, so no [C, K] accumulator
+    # lives anywhere. M = diag(b) Gam_s * dA and dPs = scale Gam_c * tril(dO U^T) go to mm for
+    # _bwd_local_dqk. Same algebra as _bwd_local (see its comments).
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = (eos - t0).to(tl.int32)
+    ch = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, BT)
-    t_idx = i_t * BT + o_t
-    m_t = t_idx < T
+    m_t = o_t < nt
     m_s = o_t[:, None] > o_t[None, :]
     m_c = o_t[:, None] >= o_t[None, :]
     last = o_t == BT - 1
-    b_gc = tl.load(gc + (i_bh * NT + i_t) * BT + o_t)
-    b_gl = tl.load(gc + (i_bh * NT + i_t) * BT + BT - 1)
+    b_gc = tl.load(gc + ch * BT + o_t)
+    b_gl = tl.load(gc + ch * BT + BT - 1)
+    e_g = tl.exp(b_gc)
     e_end = tl.exp(b_gl - b_gc)
-    b_beta = tl.load(beta + (i_b * T + t_idx) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    p_q = tl.make_block_ptr(q + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (i_b * T * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_T = tl.make_block_ptr(tinv + (i_bh * NT + i_t) * BT * BT, (BT, BT), (BT, 1), (0, 0), (BT, BT), (1, 0))
-    p_ke = tl.make_block_ptr(ke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                             (i_t * BT, 0), (BT, BK), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
     b_Tt = tl.trans(tl.load(p_T))
-    b_ke = tl.load(p_ke, boundary_check=(0, 1))
+    s_dk = -b_beta * e_g
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dgc = tl.zeros([BT], dtype=tl.float32)
+    b_x = tl.zeros([BT], dtype=tl.float32)
+    b_sc = tl.zeros([BV], dtype=tl.float32)
+    for l in tl.static_range(NE):
+        b_db += tl.load(dbp + (t0 * H + i_h) * NE + l + o_t * (H * NE), mask=m_t, other=0.)
+    for i_v in range(tl.cdiv(V, BV)):
+        p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_u = _ptrs(u, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_do = _ptrs(do, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_v = _ptrs(v, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        b_du = tl.load(p_du, mask=m_v, other=0.)
+        b_u = tl.load(p_u, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_dr = _dot(b_Tt, b_du, F32, DT)
+        p_dv = _ptrs(dv, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        tl.store(p_dv, (b_dr * b_beta[:, None]).to(p_dv.dtype.element_ty), mask=m_v)
+        b_ks = tl.zeros([BT, BV], dtype=tl.float32)    # K S0, Q S0, K dS over this value block
+        b_qh = tl.zeros([BT, BV], dtype=tl.float32)
+        b_kdh = tl.zeros([BT, BV], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, i_k * BK, K, BT, BK)
+            p_q = _ptrs(q, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+            p_h, m_h = _tile(h, ch * K * V + i_k * BK * V, V, K - i_k * BK, i_v * BV, V, BK, BV)
+            p_dh = _ptrs(dh, ch * K * V + i_k * BK * V, V, i_v * BV, BK, BV)
+            b_k = tl.load(p_k, mask=m_k, other=0.)
+            b_q = tl.load(p_q, mask=m_k, other=0.)
+            b_h = tl.load(p_h, mask=m_h, other=0.)
+            b_dh = tl.load(p_dh, mask=m_h, other=0.)
+            b_ks += _dot(b_k, b_h, F32, DT)
+            b_qh += _dot(b_q, b_h, F32, DT)
+            b_kdh += _dot(b_k, b_dh, F32, DT)
+            b_sc += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), axis=0)
+        b_db += tl.sum(b_dr * (tl.load(p_v, mask=m_v, other=0.).to(tl.float32) - e_g[:, None] * b_ks), axis=1)
+        b_dgc += tl.sum(b_dr * b_ks, axis=1) * s_dk
+        b_dgc += tl.sum(b_do.to(tl.float32) * b_qh, axis=1) * (scale * e_g)
+        b_x += tl.sum(b_u.to(tl.float32) * b_kdh, axis=1)
+        b_dA += _dot(b_dr, tl.trans(b_u), F32, DT)
+        b_dP += _dot(b_do, tl.trans(b_u), F32, DT)
+    gam_s, gam_c = _decay_masks(b_gc, BT)
+    b_Ds = tl.where(last[:, None], (e_end * b_x)[None, :], 0.)
+    b_dgc += tl.where(last, tl.exp(b_gl) * tl.sum(b_sc), 0.)
+    b_Araw = tl.zeros([BT, BT], dtype=tl.float32)      # K K^T and Q K^T, block by block
+    b_QK = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, i_k * BK, K, BT, BK)
+        p_q = _ptrs(q, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+        b_k = tl.load(p_k, mask=m_k, other=0.)
+        b_q = tl.load(p_q, mask=m_k, other=0.)
+        b_Araw += _dot(b_k, tl.trans(b_k), F32, DT)
+        b_QK += _dot(b_q, tl.trans(b_k), F32, DT)
+    b_Araw = b_Araw * gam_s
+    b_dA = -tl.where(m_s, b_dA, 0.)
+    b_db += tl.sum(b_dA * b_Araw, axis=1)
+    b_Ds += b_dA * b_Araw * b_beta[:, None]
+    b_M = b_dA * gam_s * b_beta[:, None]
+    b_dPs = tl.where(m_c, b_dP, 0.) * gam_c * scale
+    b_Ds += b_dPs * b_QK
+    b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], b_dgc[None, :], 0.), axis=1)
+    b_Ds = tl.where(m_s, b_Ds, 0.)
+    b_Y = tl.dot(tl.where(o_t[None, :] >= o_t[:, None], 1., 0.), b_Ds, input_precision="tf32x3")
+    b_dg += tl.sum(tl.where(o_t[None, :] < o_t[:, None], b_Y, 0.), axis=1)
+    for l in tl.static_range(NE):
+        b_dg += tl.load(dgp + (t0 * H + i_h) * NE + l + o_t * (H * NE), mask=m_t, other=0.)
+    p_m = _ptrs(mm, ch * 2 * BT * BT, BT, 0, BT, BT)
+    tl.store(p_m, b_M.to(p_m.dtype.element_ty))
+    tl.store(p_m + BT * BT, b_dPs.to(p_m.dtype.element_ty))
+    tl.store(dbeta + t0 * H + i_h + o_t * H, b_db, mask=m_t)
+    tl.store(dg + t0 * H + i_h + o_t * H, b_dg, mask=m_t)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bwd_local_dqk(q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk, dqp, dkp, scale,
+                   cu_seqlens, chunk_indices, T, H: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # second half: dq, dk for key block i_k (grid [NK, NC, H]), [C, BK] accumulators only
+    i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = (eos - t0).to(tl.int32)
+    ch = i_c.to(tl.int64) * H + i_h
+    o_t = tl.arange(0, BT)
+    m_t = o_t < nt
+    b_gc = tl.load(gc + ch * BT + o_t)
+    b_gl = tl.load(gc + ch * BT + BT - 1)
+    e_g = tl.exp(b_gc)
+    e_end = tl.exp(b_gl - b_gc)
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
+    b_Tt = tl.trans(tl.load(p_T))
+    s_dk = -b_beta * e_g
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, i_k * BK, K, BT, BK)
+    for l in tl.static_range(NE):
+        p_dkp = _ptrs(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, i_k * BK, BT, BK)
+        b_dk += tl.load(p_dkp, mask=m_k, other=0.)
+    for i_v in range(tl.cdiv(V, BV)):
+        p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_u = _ptrs(u, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_do = _ptrs(do, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_h, m_h = _tile(h, ch * K * V + i_k * BK * V, V, K - i_k * BK, i_v * BV, V, BK, BV)
+        p_dh = _ptrs(dh, ch * K * V + i_k * BK * V, V, i_v * BV, BK, BV)
+        b_du = tl.load(p_du, mask=m_v, other=0.)
+        b_u = tl.load(p_u, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        b_dh = tl.load(p_dh, mask=m_h, other=0.)
+        b_dr = _dot(b_Tt, b_du, F32, DT)
+        b_dq += _dot(b_do, tl.trans(b_h), F32, DT)
+        b_dk += _dot(b_dr * s_dk[:, None], tl.trans(b_h), F32, DT)
+        b_dk += _dot(b_u.to(tl.float32) * e_end[:, None], tl.trans(b_dh), F32, DT)
+    b_dq = b_dq * (scale * e_g)[:, None]
+    p_m = _ptrs(mm, ch * 2 * BT * BT, BT, 0, BT, BT)
+    b_M = tl.load(p_m)
+    b_dPs = tl.load(p_m + BT * BT)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    p_q = _ptrs(q, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_dk += _dot(b_M, b_k, F32, DT) + _dot(tl.trans(b_M), b_k, F32, DT) + _dot(tl.trans(b_dPs), b_q, F32, DT)
+    b_dq += _dot(b_dPs, b_k, F32, DT)
+    for l in tl.static_range(NE):
+        p_dqp = _ptrs(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, i_k * BK, BT, BK)
+        b_dq += tl.load(p_dqp, mask=m_k, other=0.)
+    p_dq = _ptrs(dq, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+    p_dk = _ptrs(dk, (t0 * H + i_h) * K, H * K, i_k * BK, BT, BK)
+    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_k)
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_k)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp, dgp, scale,
+              cu_seqlens, chunk_indices, T, H: tl.constexpr,
+              K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # The injected rows: E_l in the solve, P_l in the output, (Ke_l, Ve_l) in the state; one row
+    # l per program (grid [NC, H, NE]) so that no program holds the row terms and GDN's at once
+    # (register spills). dke, dve are final; the dq, dk, dbeta and dg contributions go to float32
+    # partials that _bwd_local adds. dg's part is this row's own box sum (the box sum is linear).
+    i_c, i_h, l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
+    ch = i_c.to(tl.int64) * H + i_h
+    o_t = tl.arange(0, BT)
+    m_t = o_t < nt
+    m_s = o_t[:, None] > o_t[None, :]
+    m_c = o_t[:, None] >= o_t[None, :]
+    last = o_t == BT - 1
+    b_gc = tl.load(gc + ch * BT + o_t)
+    b_gl = tl.load(gc + ch * BT + BT - 1)
+    e_end = tl.exp(b_gl - b_gc)
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=m_t, other=0.).to(tl.float32)
+    p_q, m_k = _tile(q, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    p_k = _ptrs(k, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    p_T = _ptrs(tinv, ch * BT * BT, BT, 0, BT, BT)
+    p_ke = _ptrs(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
+    b_q = tl.load(p_q, mask=m_k, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    b_Tt = tl.trans(tl.load(p_T))
+    b_ke = tl.load(p_ke, mask=m_k, other=0.)
     gam_s, gam_c = _decay_masks(b_gc, BT)
     b_E = _dot(b_k, tl.trans(b_ke), F32, DT) * gam_s
     b_Pl = _dot(b_q, tl.trans(b_ke), F32, DT) * gam_c * scale
@@ -437,15 +685,14 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     b_xl = tl.zeros([BT], dtype=tl.float32)
     kdec = (b_ke.to(tl.float32) * e_end[:, None]).to(b_ke.dtype)
     for i_v in range(tl.cdiv(V, BV)):
-        p_du = tl.make_block_ptr(du + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_do = tl.make_block_ptr(do + (i_b * T * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_dh = tl.make_block_ptr(dh + (i_bh * NT + i_t) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        p_ve = tl.make_block_ptr(ve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                 (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_du = tl.load(p_du, boundary_check=(0, 1))
-        b_do = tl.load(p_do, boundary_check=(0, 1))
-        b_dh = tl.load(p_dh, boundary_check=(0, 1))
-        b_ve = tl.load(p_ve, boundary_check=(0, 1))
+        p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
+        p_do = _ptrs(do, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
+        p_dh, m_h = _tile(dh, ch * K * V, V, K, i_v * BV, V, BK, BV)
+        p_ve = _ptrs(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, i_v * BV, BT, BV)
+        b_du = tl.load(p_du, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_v, other=0.)
+        b_dh = tl.load(p_dh, mask=m_h, other=0.)
+        b_ve = tl.load(p_ve, mask=m_v, other=0.)
         b_dr = _dot(b_Tt, b_du, F32, DT)
         b_G += _dot(b_dr, tl.trans(b_ve), F32, DT)
         b_dPl += _dot(b_do, tl.trans(b_ve), F32, DT)
@@ -454,9 +701,8 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
         b_dke += _dot(b_ve.to(tl.float32) * e_end[:, None], tl.trans(b_dh), F32, DT)
         b_dve = (_dot(tl.trans(b_Pl), b_do, F32, DT) + b_kdh
                  - _dot(tl.trans(b_E), b_dr * b_beta[:, None], F32, DT))
-        p_dve = tl.make_block_ptr(dve + ((i_b * T * H + i_h) * NE + l) * V, (T, V), (H * NE * V, 1),
-                                  (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        tl.store(p_dve, b_dve.to(p_dve.dtype.element_ty), boundary_check=(0, 1))
+        p_dve = _ptrs(dve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, i_v * BV, BT, BV)
+        tl.store(p_dve, b_dve.to(p_dve.dtype.element_ty), mask=m_v)
     b_db = -tl.sum(b_E * b_G, axis=1)
     b_dE = -tl.where(m_s, b_G, 0.) * b_beta[:, None]
     b_Ds = b_dE * b_E
@@ -472,17 +718,14 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     b_Ds = tl.where(m_s, b_Ds, 0.)
     b_Y = tl.dot(tl.where(o_t[None, :] >= o_t[:, None], 1., 0.), b_Ds, input_precision="tf32x3")
     b_dg = tl.sum(tl.where(o_t[None, :] < o_t[:, None], b_Y, 0.), axis=1)
-    p_dke = tl.make_block_ptr(dke + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                              (i_t * BT, 0), (BT, BK), (1, 0))
-    tl.store(p_dke, b_dke.to(p_dke.dtype.element_ty), boundary_check=(0, 1))
-    p_dqp = tl.make_block_ptr(dqp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                              (i_t * BT, 0), (BT, BK), (1, 0))
-    p_dkp = tl.make_block_ptr(dkp + ((i_b * T * H + i_h) * NE + l) * K, (T, K), (H * NE * K, 1),
-                              (i_t * BT, 0), (BT, BK), (1, 0))
-    tl.store(p_dqp, b_dq, boundary_check=(0, 1))
-    tl.store(p_dkp, b_dk, boundary_check=(0, 1))
-    tl.store(dbp + ((i_b * T + t_idx) * H + i_h) * NE + l, b_db, mask=m_t)
-    tl.store(dgp + ((i_b * T + t_idx) * H + i_h) * NE + l, b_dg, mask=m_t)
+    p_dke = _ptrs(dke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
+    tl.store(p_dke, b_dke.to(p_dke.dtype.element_ty), mask=m_k)
+    p_dqp = _ptrs(dqp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
+    p_dkp = _ptrs(dkp, ((t0 * H + i_h) * NE + l) * K, H * NE * K, 0, BT, BK)
+    tl.store(p_dqp, b_dq, mask=m_k)
+    tl.store(p_dkp, b_dk, mask=m_k)
+    tl.store(dbp + (t0 * H + i_h) * NE + l + o_t * (H * NE), b_db, mask=m_t)
+    tl.store(dgp + (t0 * H + i_h) * NE + l + o_t * (H * NE), b_dg, mask=m_t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -492,73 +735,209 @@ _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.flo
 
 
 def _dot_dtype(dt):
-    # Triton 3.6's CPU interpreter multiplies bf16 bit patterns as integers in tl.dot; there the
-    # operands are rounded to the input dtype by the loads/stores and multiplied in float32
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    # The CPU interpreter (Triton 3.6, 3.7 and 3.9 alike) multiplies bf16 bit patterns as integers
+    # in tl.dot (float16 is exact): there bf16 operands, already rounded by the loads and stores,
+    # are multiplied in float32
+    if dt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1":
         return tl.float32
     return _DOT_DTYPES[dt]
 
 
-def _blocks(K, V):
-    # BV = 32: the [BK, BV] float32 state tile stays in registers without spills at BK = 128
-    # (checked with ptxas for sm_90), and the sequential state passes get twice the programs
+SMEM_LIMIT = 232448   # bytes of shared memory per block on the H100/H200 (sm_90)
+# Launch choices to try without editing the rules below, e.g. {"state_bv": 16} (bench_kernel.py
+# --bv sets it); also from the environment: PRISM_KERNEL_CONFIG="state_bv=16,stages=2"
+OVERRIDES = {k: int(v) for k, v in (kv.split("=") for kv in
+                                    os.environ.get("PRISM_KERNEL_CONFIG", "").split(",") if kv)}
+
+
+def smem_estimate(name, BT, BK, BV, es, NE, stages):
+    """Shared memory (bytes) of one kernel from its tile sizes, an upper estimate: the tiles a
+    loop iteration loads are buffered `stages` times by the software pipeline, and every dot
+    operand that is not loaded in the loop is staged once. es = bytes per input element (the
+    saved h, W, U and Tm are in the input dtype too); float32 scratch tiles count 4 bytes.
+    bench/kernel_regs.py prints the compiled figure next to this one for every configuration."""
+    tk, tv, hk, cc = BT * BK * es, BT * BV * es, BK * BV * es, BT * BT * es
+    loop, fixed = {
+        "fwd_prep": (tv + NE * (tk + tv), tk + 2 * cc + BK * BV * 4),
+        "fwd_state": (2 * tk + tv + (hk if NE else 0), BK * BV * 4),
+        "fwd_out": (0, 2 * tk + hk + tv + NE * (tk + tv) + BT * BT * 4),
+        "bwd_dv_local": (0, 2 * tk + tv + BT * BT * 4),
+        "bwd_state": (3 * tk + 2 * tv, BK * BV * 4),
+        "bwd_rows": (3 * tv + hk, 3 * tk + cc + 2 * BT * BT * 4),
+        "bwd_local": (4 * tv + 2 * hk, 2 * tk + cc + 2 * BT * BT * 4),
+        "bwd_local_cc": (4 * tv + 2 * tk + 2 * hk, cc + 4 * BT * BT * 4),
+        "bwd_local_dqk": (3 * tv + 2 * hk, 2 * tk + 3 * cc),
+    }[name]
+    return stages * loop + fixed
+
+
+def launch_config(K, V, dtype, NE, n_seq):
+    """Every block size, warp count and pipeline depth in one place. n_seq = sequences x heads,
+    the program count of the sequential state passes per value block.
+    Returns (BT, BK, {kernel name: dict(BV=, num_warps=, num_stages=)}). BK is always the whole
+    key dim (the triangular solve and the state need all of K); BT is the chunk length."""
+    ov = OVERRIDES
+    es = torch.tensor([], dtype=dtype).element_size()
     BK = max(16, triton.next_power_of_2(K))
-    BV = min(32, max(16, triton.next_power_of_2(V)))
-    return BK, BV
+    Vp = max(16, triton.next_power_of_2(V))
+    # chunks of 64; 32 where [64, K] float32 operand tiles alone would fill shared memory
+    # (float32 at K = 256: the local backward kernels need 288 KB at 64)
+    BT = ov.get("chunk", 64 if BK * es <= 512 else 32)
+    # state passes: the [BK, BV] float32 state stays in registers (BV = 32 at BK = 128: no spills
+    # with ptxas for sm_90); few sequences x heads -> BV 16, twice the programs on the 132 SMs
+    state_bv = min(Vp, ov.get("state_bv", 32 if n_seq * triton.cdiv(V, 32) >= 132 else 16))
+    bv = min(Vp, ov.get("bv", 32))
+    wide = 4 if BK <= 64 else 8
+    # the local backward in one kernel holds dq, dk ([BT, K] float32) across its value loop: it
+    # spills ~0.9 KB/thread at K = 128 and ~2.7 KB at K = 256 (bf16, sm_90). With local_bk < K it
+    # runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk; like fla's dq/dk
+    # kernel), at the price of reading dU, U, dO, h and dh once more.
+    local_bk = min(BK, ov.get("local_bk", BK if BK <= 128 else 64))
+    cfg = dict(
+        fwd_prep=dict(BV=bv, num_warps=8),
+        fwd_state=dict(BV=state_bv, num_warps=4),
+        fwd_out=dict(BV=bv, num_warps=4),
+        bwd_dv_local=dict(BV=bv, num_warps=4),
+        bwd_state=dict(BV=state_bv, num_warps=8),
+        bwd_rows=dict(BV=bv, num_warps=wide),
+        bwd_local=dict(BV=bv, num_warps=wide),
+        bwd_local_cc=dict(BV=min(Vp, ov.get("bv", 16)), BK=local_bk, num_warps=8),
+        bwd_local_dqk=dict(BV=bv, BK=local_bk, num_warps=8),
+    )
+    if local_bk == BK:
+        del cfg["bwd_local_cc"], cfg["bwd_local_dqk"]
+    else:
+        del cfg["bwd_local"]
+    # the deepest software pipeline (3, 2 or 1 copies of the loop's tiles) that fits with a margin
+    for name, c in cfg.items():
+        c["num_stages"] = ov.get("stages", next(
+            (s for s in (3, 2) if smem_estimate(name, BT, c.get("BK", BK), c["BV"], es, NE, s) <= 0.9 * SMEM_LIMIT), 1))
+    return BT, BK, cfg
 
 
-def _stages(NE, BK):
-    return 3 if NE <= 1 and BK <= 128 else 1
+_SEQ_CACHE = {}   # id(cu_seqlens) -> (the tensor, its version, {derived tables}); a few entries
 
 
-def _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state):
+def _seq_cache(cu_seqlens):
+    """Tables derived from one cu_seqlens tensor, kept while it is unchanged: a model passes the
+    same tensor to every layer and conv, so one host read serves a whole forward and backward.
+    The entry holds the tensor (its id cannot be reused meanwhile); an in-place change bumps its
+    version and starts a new entry."""
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:      # inference tensors keep no version counter: no caching
+        return {}
+    e = _SEQ_CACHE.get(id(cu_seqlens))
+    if e is None or e[0] is not cu_seqlens or e[1] != version:
+        e = _SEQ_CACHE[id(cu_seqlens)] = (cu_seqlens, version, {})
+        while len(_SEQ_CACHE) > 8:
+            del _SEQ_CACHE[next(iter(_SEQ_CACHE))]
+    return e[2]
+
+
+def _seq_lengths(cu_seqlens, T, who="chunk_prism"):
+    """Validate cu_seqlens (one host read per tensor) and return the sequence lengths (CPU int64)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{who}: cu_seqlens must be a 1-D int32/int64 tensor [N+1] of sequence starts and the end")
+    cache = _seq_cache(cu_seqlens)
+    if ("lens", T) not in cache:
+        cache[("lens", T)] = _check_lengths(cu_seqlens.tolist(), T, who)
+    return cache[("lens", T)]
+
+
+def _check_lengths(c, T, who):
+    if c[0] != 0 or c[-1] != T:
+        raise ValueError(f"{who}: cu_seqlens must start at 0 and end at T = {T}, got {c[0]} .. {c[-1]}")
+    lens = torch.tensor(c[1:], dtype=torch.int64) - torch.tensor(c[:-1], dtype=torch.int64)
+    if (lens <= 0).any():
+        raise ValueError(f"{who}: cu_seqlens must be strictly increasing "
+                         f"(empty sequence at index {int((lens <= 0).nonzero()[0])})")
+    return lens
+
+
+def _seq_tables(cu_seqlens, T, BT, device):
+    """Packed-sequence tables on cu_seqlens' device: chunk_indices [NC, 2] = (sequence, chunk in
+    it) per chunk program, chunk_offsets [N+1] = first chunk of each sequence. Every sequence is
+    padded to whole chunks in this index space. Built on `device` (the inputs'), wherever
+    cu_seqlens lives."""
+    lens = _seq_lengths(cu_seqlens, T)
+    cache = _seq_cache(cu_seqlens)
+    key = ("tables", T, BT, str(device))
+    if key not in cache:
+        cache[key] = _build_tables(cu_seqlens, lens, BT, device)
+    return cache[key]
+
+
+def _build_tables(cu_seqlens, lens, BT, dev):
+    nts = (lens + BT - 1) // BT
+    offsets = torch.cat([nts.new_zeros(1), nts.cumsum(0)])
+    seq = torch.repeat_interleave(torch.arange(len(nts)), nts)
+    chunk = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(nts)
+    return (cu_seqlens.to(dev, torch.int32).contiguous(),
+            torch.stack([seq, chunk], 1).to(dev, torch.int32).contiguous(),
+            offsets.to(dev, torch.int32), len(nts), int(offsets[-1]))
+
+
+def _setup(q, v, ke, cu_seqlens, tables=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     NE = 0 if ke is None else ke.shape[3]
-    BT = CHUNK
-    NT = triton.cdiv(T, BT)
-    BK, BV = _blocks(K, V)
-    NV = triton.cdiv(V, BV)
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    BT, BK, cfg = launch_config(K, V, q.dtype, NE, n_seq * H)
+    meta = dict(K=K, V=V, BT=BT, BK=BK, F32=q.dtype == torch.float32, DT=_dot_dtype(q.dtype),
+                IS_VARLEN=cu_seqlens is not None)
+    if cu_seqlens is None:   # fixed length: program ids map arithmetically, the tables are unused
+        tables = (q, q, q, B, B * triton.cdiv(T, BT))
+    elif tables is None:     # the forward builds them (one host read), the backward reuses them
+        tables = _seq_tables(cu_seqlens, T, BT, q.device)
+    return NE, meta, cfg, tables
+
+
+def _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state, cu_seqlens):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NE, meta, cfg, tables = _setup(q, v, ke, cu_seqlens)
+    cu, ci, co, N, NC = tables
+    BT = meta["BT"]
     dev, dt = q.device, q.dtype
-    F32 = dt == torch.float32
-    DT = _dot_dtype(dt)
     ke_, ve_ = (ke, ve) if NE else (k, v)  # dummies, never read when NE == 0
-    gc = _empty(B, H, NT * BT, dtype=torch.float32, device=dev)
-    tinv = _empty(B, H, NT, BT, BT, dtype=dt, device=dev)
+    gc = _empty(NC, H, BT, dtype=torch.float32, device=dev)
+    tinv = _empty(NC, H, BT, BT, dtype=dt, device=dev)
     w = _empty(B, T, H, K, dtype=dt, device=dev)
     u = _empty(B, T, H, V, dtype=dt, device=dev)
-    h = _empty(B, H, NT, K, V, dtype=dt, device=dev)
-    ht = _empty(B, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    h = _empty(NC, H, K, V, dtype=dt, device=dev)
+    ht = _empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     o = _empty(B, T, H, V, dtype=dt, device=dev)
-    # with two or more injected rows the software pipeline's copies of every tile overflow
-    # shared memory (238 KB seen at L=3, K=V=128): no pipelining there
-    meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, F32=F32, DT=DT, num_stages=_stages(NE, BK))
-    _fwd_prep[(NT, B * H)](k, v, ke_, ve_, g, beta, gc, tinv, w, u, T, NE=NE, **meta, num_warps=8)
-    _fwd_state[(NV, B * H)](k, ke_, ve_, w, u, gc, h, h0, ht, T, NE=NE, **meta,
-                            HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=4)
-    _fwd_out[(NV, NT, B * H)](q, k, ke_, ve_, u, gc, h, o, scale, T, NE=NE, **meta, num_warps=4)
-    return o, ht, (gc, tinv, w, u, h)
+    # the injected rows' per-chunk state term (a temporary, in the state's dtype)
+    hr = _empty(NC, H, K, V, dtype=dt, device=dev) if NE else h
+    _fwd_prep[(NC, H)](k, v, ke_, ve_, g, beta, gc, tinv, w, u, hr, cu, ci, T, H, NE=NE, **meta,
+                       **cfg["fwd_prep"])
+    c = cfg["fwd_state"]
+    _fwd_state[(triton.cdiv(V, c["BV"]), N * H)](k, w, u, gc, hr, h, h0, ht, cu, co, T, H, NE=NE, **meta,
+                                                  HAS_H0=h0 is not None, STORE_HT=output_final_state, **c)
+    del hr
+    c = cfg["fwd_out"]
+    _fwd_out[(triton.cdiv(V, c["BV"]), NC, H)](q, k, ke_, ve_, u, gc, h, o, scale, cu, ci, T, H, NE=NE,
+                                                **meta, **c)
+    return o, ht, (gc, tinv, w, u, h), tables
 
 
-def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht):
+def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NE = 0 if ke is None else ke.shape[3]
-    BT = CHUNK
-    NT = triton.cdiv(T, BT)
-    BK, BV = _blocks(K, V)
-    NV = triton.cdiv(V, BV)
+    NE, meta, cfg, (cu, ci, co, N, NC) = _setup(q, v, ke, cu_seqlens, tables)
     dev, dt = q.device, q.dtype
-    F32 = dt == torch.float32
-    DT = _dot_dtype(dt)
     gc, tinv, w, u, h = saved
-    meta = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, F32=F32, DT=DT, num_stages=_stages(NE, BK))
     du = _empty(B, T, H, V, dtype=dt, device=dev)
-    dh = _empty(B, H, NT, K, V, dtype=dt, device=dev)
-    dh0 = _empty(B, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    _bwd_dv_local[(NV, NT, B * H)](q, k, gc, do, du, scale, T, **meta, num_warps=4)
-    _bwd_state[(NV, B * H)](q, k, w, gc, do, du, dh, dht, dh0, scale, T, **meta,
-                            HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=8)
+    dh = _empty(NC, H, K, V, dtype=dt, device=dev)
+    dh0 = _empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
+    c = cfg["bwd_dv_local"]
+    _bwd_dv_local[(triton.cdiv(V, c["BV"]), NC, H)](q, k, gc, do, du, scale, cu, ci, T, H, **meta, **c)
+    c = cfg["bwd_state"]
+    _bwd_state[(triton.cdiv(V, c["BV"]), N * H)](q, k, w, gc, do, du, dh, dht, dh0, scale, cu, co, T, H,
+                                                  **meta, HAS_DHT=dht is not None,
+                                                  STORE_DH0=h0 is not None, **c)
     dq = _empty(B, T, H, K, dtype=dt, device=dev)
     dk = _empty(B, T, H, K, dtype=dt, device=dev)
     dv = _empty(B, T, H, V, dtype=dt, device=dev)
@@ -571,38 +950,49 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht):
         dkp = _empty(B, T, H, NE, K, dtype=torch.float32, device=dev)
         dbp = _empty(B, T, H, NE, dtype=torch.float32, device=dev)
         dgp = _empty(B, T, H, NE, dtype=torch.float32, device=dev)
-        _bwd_rows[(NT, B * H, NE)](q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve,
-                                   dqp, dkp, dbp, dgp, scale, T, NE=NE, **meta,
-                                   num_warps=4 if BK <= 64 else 8)
+        _bwd_rows[(NC, H, NE)](q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve,
+                               dqp, dkp, dbp, dgp, scale, cu, ci, T, H, NE=NE, **meta, **cfg["bwd_rows"])
     else:
         dqp = dkp = dbp = dgp = dbeta  # GDN: no partials (NE = 0 never reads them)
-    _bwd_local[(NT, B * H)](q, k, v, beta, gc, tinv, h, dh, u, du, do,
-                            dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, T,
-                            NE=NE, **meta, num_warps=4 if BK <= 64 else 8)
+    if "bwd_local" in cfg:
+        _bwd_local[(NC, H)](q, k, v, beta, gc, tinv, h, dh, u, du, do,
+                            dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu, ci, T, H,
+                            NE=NE, **meta, **cfg["bwd_local"])
+    else:   # K in blocks: C x C terms first, then dq, dk per key block
+        mm = _empty(NC, H, 2, meta["BT"], meta["BT"], dtype=dt, device=dev)
+        m = dict(meta, BK=cfg["bwd_local_cc"]["BK"])
+        c = {n: x for n, x in cfg["bwd_local_cc"].items() if n != "BK"}
+        _bwd_local_cc[(NC, H)](q, k, v, beta, gc, tinv, h, dh, u, du, do, dv, dbeta, dg, dbp, dgp, mm, scale,
+                               cu, ci, T, H, NE=NE, **m, **c)
+        c = {n: x for n, x in cfg["bwd_local_dqk"].items() if n != "BK"}
+        _bwd_local_dqk[(triton.cdiv(K, m["BK"]), NC, H)](q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk,
+                                                          dqp, dkp, scale, cu, ci, T, H, NE=NE, **m, **c)
     return dq, dk, dv, dg, dbeta, dke, dve, dh0
 
 
 class ChunkPrismFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state):
-        o, ht, saved = _fwd(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, ke, ve, initial_state, *saved)
-        ctx.scale = scale
+    def forward(ctx, q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens):
+        o, ht, saved, tables = _fwd(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state,
+                                    cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens, *saved)
+        ctx.scale, ctx.tables = scale, tables
         if ht is not None:
             return o, ht
         return o
 
     @staticmethod
     def backward(ctx, do, dht=None):
-        q, k, v, g, beta, ke, ve, h0, *saved = ctx.saved_tensors
+        q, k, v, g, beta, ke, ve, h0, cu_seqlens, *saved = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dke, dve, dh0 = _bwd(q, k, v, g, beta, ke, ve, ctx.scale, h0, saved,
                                                     do.contiguous(),
-                                                    None if dht is None else dht.contiguous())
-        return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dke, dve, None, dh0, None)
+                                                    None if dht is None else dht.contiguous(), cu_seqlens,
+                                                    ctx.tables)
+        return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dke, dve, None, dh0, None, None)
 
 
-def _check(q, k, v, g, beta, ke, ve, initial_state):
+def _check(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens):
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"chunk_prism: q and k must be [B,T,H,K] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, K = q.shape
@@ -623,19 +1013,29 @@ def _check(q, k, v, g, beta, ke, ve, initial_state):
         if x.dtype not in _DOT_DTYPES:
             raise ValueError(f"chunk_prism: {name} must be float32, bfloat16 or float16, got {x.dtype} "
                              "(use model.delta_rule_chunk for float64)")
-    if initial_state is not None and initial_state.shape != (B, H, K, V):
-        raise ValueError(f"chunk_prism: initial_state must be [B,H,K,V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"chunk_prism: with cu_seqlens the sequences are packed along T and B must be 1, got B={B}")
+        N = cu_seqlens.numel() - 1 if isinstance(cu_seqlens, torch.Tensor) else -1
+    if initial_state is not None and initial_state.shape != (N, H, K, V):
+        raise ValueError(f"chunk_prism: initial_state must be [N,H,K,V] = {(N, H, K, V)} "
+                         f"(N = {'sequences in cu_seqlens' if cu_seqlens is not None else 'batch'}), "
+                         f"got {tuple(initial_state.shape)}")
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("chunk_prism: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
 
 
 def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                output_final_state=False):
+                output_final_state=False, cu_seqlens=None):
     """PRISM / gated delta rule, chunk-parallel Triton kernels; exact semantics of
     model.delta_rule_naive. q, k [B,T,H,K] (already l2-normalised), v [B,T,H,V], g [B,T,H]
     log-decay <= 0, beta [B,T,H], ke [B,T,H,L-1,K], ve [B,T,H,L-1,V] or None (GDN).
-    Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] float32 or None)."""
-    _check(q, k, v, g, beta, ke, ve, initial_state)
+    cu_seqlens (int32/int64 [N+1], 0 = start < ... < end = T): B == 1 and the inputs hold N
+    sequences back to back, each run from its own initial state (flash-linear-attention's
+    convention); no state or chunk crosses a boundary.
+    Returns (o [B,T,H,V] in v's dtype, final state [N,H,K,V] float32 or None), N = B or len(cu_seqlens)-1."""
+    _check(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens)
     if ke is not None and ke.shape[3] == 0:
         ke = ve = None
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -650,7 +1050,7 @@ def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=No
         ke, ve = ke.to(dt).contiguous(), ve.to(dt).contiguous()
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
-    out = ChunkPrismFunction.apply(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state)
+    out = ChunkPrismFunction.apply(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens)
     o, ht = out if output_final_state else (out, None)
     return o.to(out_dtype), ht
 
@@ -661,116 +1061,153 @@ def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=No
 # cuDNN's depthwise conv1d needs [B, C, T] (two transposed copies) and its backward is slow for
 # thousands of channels; this works on [B, T, C] directly, one read per tap from cache.
 
+@triton.jit
+def _conv_taps_ok(pos, o_t, T, s, VARLEN: tl.constexpr):
+    # rows o_t (absolute in [0, T)) whose tap s tokens back stays inside their own sequence
+    if VARLEN:
+        return (o_t < T) & (s <= tl.load(pos + o_t, mask=o_t < T, other=0))
+    else:
+        return (o_t < T) & (o_t >= s)
+
+
 @triton.jit(do_not_specialize=["T"])
-def _conv_fwd(x, w, y, T, C, W: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _conv_fwd(x, w, y, pos, T, C, W: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+              VARLEN: tl.constexpr):
+    # pos[t] = t - (start of t's sequence) for packed sequences: no tap reaches across a start
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = i_t * BT + tl.arange(0, BT)
+    o_r = tl.arange(0, BT)
+    o_t = i_t * BT + o_r
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    base = i_b.to(tl.int64) * T * C
+    base = (i_b.to(tl.int64) * T + i_t * BT) * C       # row i_t*BT of batch i_b, int64
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(W):
-        t_in = o_t - (W - 1) + j
-        m = ((t_in >= 0) & (t_in < T))[:, None] & m_c[None, :]
-        xj = tl.load(x + base + t_in[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
+        s = W - 1 - j
+        m = _conv_taps_ok(pos, o_t, T, s, VARLEN)[:, None] & m_c[None, :]
+        xj = tl.load(x + base + (o_r - s)[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
         wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
         acc += xj * wj[None, :]
     if ACT:
         acc = acc * tl.sigmoid(acc)
     m = (o_t < T)[:, None] & m_c[None, :]
-    tl.store(y + base + o_t[:, None] * C + o_c[None, :], acc.to(y.dtype.element_ty), mask=m)
+    tl.store(y + base + o_r[:, None] * C + o_c[None, :], acc.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_bwd_pre(x, w, dy, da, dw_part, T, C, NT, W: tl.constexpr, ACT: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr):
+def _conv_bwd_pre(x, w, dy, da, dw_part, pos, T, C, NT, W: tl.constexpr, ACT: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr):
     # da = dy * act'(pre-activation), recomputed here; dw partial sums per (batch, time block)
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = i_t * BT + tl.arange(0, BT)
+    o_r = tl.arange(0, BT)
+    o_t = i_t * BT + o_r
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    base = i_b.to(tl.int64) * T * C
+    base = (i_b.to(tl.int64) * T + i_t * BT) * C
     m_out = (o_t < T)[:, None] & m_c[None, :]
-    g = tl.load(dy + base + o_t[:, None] * C + o_c[None, :], mask=m_out, other=0.).to(tl.float32)
+    g = tl.load(dy + base + o_r[:, None] * C + o_c[None, :], mask=m_out, other=0.).to(tl.float32)
     if ACT:
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(W):
-            t_in = o_t - (W - 1) + j
-            m = ((t_in >= 0) & (t_in < T))[:, None] & m_c[None, :]
-            xj = tl.load(x + base + t_in[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
+            s = W - 1 - j
+            m = _conv_taps_ok(pos, o_t, T, s, VARLEN)[:, None] & m_c[None, :]
+            xj = tl.load(x + base + (o_r - s)[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
             wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
             acc += xj * wj[None, :]
-        s = tl.sigmoid(acc)
-        g = g * (s + acc * s * (1 - s))
-    tl.store(da + base + o_t[:, None] * C + o_c[None, :], g, mask=m_out)
+        sg = tl.sigmoid(acc)
+        g = g * (sg + acc * sg * (1 - sg))
+    tl.store(da + base + o_r[:, None] * C + o_c[None, :], g, mask=m_out)
     part = dw_part + (i_b.to(tl.int64) * NT + i_t) * C * W
     for j in tl.static_range(W):
-        t_in = o_t - (W - 1) + j
-        m = ((t_in >= 0) & (t_in < T))[:, None] & m_c[None, :]
-        xj = tl.load(x + base + t_in[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
+        s = W - 1 - j
+        m = _conv_taps_ok(pos, o_t, T, s, VARLEN)[:, None] & m_c[None, :]
+        xj = tl.load(x + base + (o_r - s)[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
         tl.store(part + o_c * W + j, tl.sum(g * xj, 0), mask=m_c)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_bwd_dx(da, w, dx, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    # dx[t] = sum_j w[j] da[t + (W-1) - j]
+def _conv_bwd_dx(da, w, dx, pos, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                 VARLEN: tl.constexpr):
+    # dx[t] = sum_j w[j] da[t + s], s = W-1-j, over the outputs t + s whose tap s reaches t
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_t = i_t * BT + tl.arange(0, BT)
+    o_r = tl.arange(0, BT)
+    o_t = i_t * BT + o_r
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    base = i_b.to(tl.int64) * T * C
+    base = (i_b.to(tl.int64) * T + i_t * BT) * C
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(W):
-        t_out = o_t + (W - 1) - j
-        m = (t_out < T)[:, None] & m_c[None, :]
-        gj = tl.load(da + base + t_out[:, None] * C + o_c[None, :], mask=m, other=0.)
+        s = W - 1 - j
+        m = _conv_taps_ok(pos, o_t + s, T, s, VARLEN)[:, None] & m_c[None, :]
+        gj = tl.load(da + base + (o_r + s)[:, None] * C + o_c[None, :], mask=m, other=0.)
         wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
         acc += gj * wj[None, :]
     m = (o_t < T)[:, None] & m_c[None, :]
-    tl.store(dx + base + o_t[:, None] * C + o_c[None, :], acc.to(dx.dtype.element_ty), mask=m)
+    tl.store(dx + base + o_r[:, None] * C + o_c[None, :], acc.to(dx.dtype.element_ty), mask=m)
 
 
 def _conv_blocks(T, C):
     return min(64, triton.next_power_of_2(T)), min(128, triton.next_power_of_2(C))
 
 
+def _conv_positions(cu_seqlens, T, device):
+    """Validated cu_seqlens -> pos[t] = t - start of t's sequence (int32 [T] on `device`)."""
+    lens = _seq_lengths(cu_seqlens, T, "causal_conv")
+    cache = _seq_cache(cu_seqlens)
+    key = ("pos", T, str(device))
+    if key not in cache:
+        starts = cu_seqlens[:-1].to(device, torch.int64).repeat_interleave(lens.to(device), output_size=T)
+        cache[key] = (torch.arange(T, device=device) - starts).to(torch.int32)
+    return cache[key]
+
+
 class CausalConvFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, w, act):
+    def forward(ctx, x, w, act, pos):
         B, T, C = x.shape
         W = w.shape[1]
         BT, BC = _conv_blocks(T, C)
         y = _empty(B, T, C, dtype=x.dtype, device=x.device)
-        _conv_fwd[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](x, w, y, T, C, W=W, ACT=act, BT=BT, BC=BC)
-        ctx.save_for_backward(x, w)
+        var = dict(VARLEN=pos is not None)
+        pos_ = x if pos is None else pos
+        _conv_fwd[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](x, w, y, pos_, T, C, W=W, ACT=act, BT=BT, BC=BC, **var)
+        ctx.save_for_backward(x, w, pos)
         ctx.act = act
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
+        x, w, pos = ctx.saved_tensors
         B, T, C = x.shape
         W = w.shape[1]
         BT, BC = _conv_blocks(T, C)
         NT = triton.cdiv(T, BT)
         grid = (NT, triton.cdiv(C, BC), B)
+        var = dict(VARLEN=pos is not None)
+        pos_ = x if pos is None else pos
         da = _empty(B, T, C, dtype=torch.float32, device=x.device)
         dw_part = _empty(B * NT, C, W, dtype=torch.float32, device=x.device)
-        _conv_bwd_pre[grid](x, w, dy.contiguous(), da, dw_part, T, C, NT, W=W, ACT=ctx.act, BT=BT, BC=BC)
+        _conv_bwd_pre[grid](x, w, dy.contiguous(), da, dw_part, pos_, T, C, NT, W=W, ACT=ctx.act, BT=BT, BC=BC, **var)
         dx = _empty(B, T, C, dtype=x.dtype, device=x.device)
-        _conv_bwd_dx[grid](da, w, dx, T, C, W=W, BT=BT, BC=BC)
-        return dx, dw_part.sum(0).to(w.dtype), None
+        _conv_bwd_dx[grid](da, w, dx, pos_, T, C, W=W, BT=BT, BC=BC, **var)
+        return dx, dw_part.sum(0).to(w.dtype), None, None
 
 
-def causal_conv(x, weight, silu=True):
+def causal_conv(x, weight, silu=True, cu_seqlens=None):
     """Causal depthwise conv of x [B,T,C] with weight [C,W] (tap W-1 is the current token),
-    optionally followed by SiLU; the semantics of model.ShortConv without a cache."""
+    optionally followed by SiLU; the semantics of model.ShortConv without a cache.
+    cu_seqlens (int32/int64 [N+1]): x is [1,T,C] holding N sequences back to back, and no tap
+    reaches across a sequence start (each sequence sees zeros before its first token)."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
         raise ValueError(f"causal_conv: x must be [B,T,C] and weight [C,W], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("causal_conv: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
-    return CausalConvFunction.apply(x.contiguous(), weight.contiguous(), bool(silu))
+    pos = None
+    if cu_seqlens is not None:
+        if x.shape[0] != 1:
+            raise ValueError(f"causal_conv: with cu_seqlens x must be [1,T,C] (sequences packed along T), got {tuple(x.shape)}")
+        pos = _conv_positions(cu_seqlens, x.shape[1], x.device)
+    return CausalConvFunction.apply(x.contiguous(), weight.contiguous(), bool(silu), pos)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -849,25 +1286,25 @@ def _conv_step(x, buf, w, y, reset, T, C, sx_b, sx_t,
         acc = acc * tl.sigmoid(acc)
     tl.store(y + (i_b.to(tl.int64) * T + o_t[:, None]) * C + o_c[None, :], acc.to(y.dtype.element_ty),
              mask=m_t[:, None] & m_c[None, :])
-    if i_t == 0:
+    if i_t == 0:  # names of their own: Triton's compiler refuses a loop variable re-typed here
         # the buffer after this call: the inputs at tokens T-(W-1) .. T-1, zero where a later
         # reset (up to T-1) cut them off
         o_e = tl.arange(0, BW)
         m_e = o_e < W - 1
-        p = T - (W - 1) + o_e
+        pe = T - (W - 1) + o_e
         keep_e = m_e
         if HAS_RESET:
             for d in tl.static_range(1, W - 1):
-                s = p + d
-                ok = m_e & (s >= 0) & (s < T)
-                r = tl.load(reset + i_b * T + tl.where(ok, s, 0), mask=ok, other=0)
-                keep_e = keep_e & (r == 0)
-        in_x = p >= 0
-        vx = tl.load(xb + tl.where(in_x, p, 0).to(tl.int64)[:, None] * sx_t + o_c[None, :],
-                     mask=(keep_e & in_x)[:, None] & m_c[None, :], other=0.)
-        vb = tl.load(bb + tl.where(in_x, 0, W - 1 + p)[:, None] * C + o_c[None, :],
-                     mask=(keep_e & ~in_x)[:, None] & m_c[None, :], other=0.)
-        new = vx.to(tl.float32) + vb.to(tl.float32)
+                se = pe + d
+                ok = m_e & (se >= 0) & (se < T)
+                r_e = tl.load(reset + i_b * T + tl.where(ok, se, 0), mask=ok, other=0)
+                keep_e = keep_e & (r_e == 0)
+        in_e = pe >= 0
+        ex = tl.load(xb + tl.where(in_e, pe, 0).to(tl.int64)[:, None] * sx_t + o_c[None, :],
+                     mask=(keep_e & in_e)[:, None] & m_c[None, :], other=0.)
+        eb = tl.load(bb + tl.where(in_e, 0, W - 1 + pe)[:, None] * C + o_c[None, :],
+                     mask=(keep_e & ~in_e)[:, None] & m_c[None, :], other=0.)
+        new = ex.to(tl.float32) + eb.to(tl.float32)
         tl.debug_barrier()  # every read of the old buffer is done
         tl.store(bb + o_e[:, None] * C + o_c[None, :], new.to(buf.dtype.element_ty),
                  mask=m_e[:, None] & m_c[None, :])

@@ -9,75 +9,14 @@ document-start token (the end-of-document token that separates documents in trai
 empty prompt samples a fresh document. Decoding runs through the model's cache: GDN/PRISM layers
 carry their state S and convolution buffers (constant memory in the length), attention layers a
 KV cache. Text is decoded with the Mistral tokenizer (tokenizer.py; --tokenizer overrides).
-
-load_checkpoint() is shared with eval/lm_eval.py.
 """
 import argparse
-import os
 import sys
 from contextlib import ExitStack
 
 import torch
 
-from model import Model, ModelConfig
-
-
-def _fail(path, why):
-    raise ValueError(f"checkpoint {path}: {why}")
-
-
-def load_checkpoint(path, device="cpu", backend=None):
-    """Load a nanoGPT-style checkpoint (or a directory written by export_hf.py) into an
-    eval-mode Model on `device`.
-
-    Reads with torch.load(weights_only=True): a checkpoint is tensors plus plain Python values,
-    so nothing in it needs arbitrary unpickling. Strips the '_orig_mod.' (torch.compile) and
-    'module.' (DDP) prefixes. `backend` picks the recurrence backend (None: Triton on CUDA,
-    else chunk); older checkpoints' stored backend is ignored. Returns (model, ckpt) where
-    ckpt is the checkpoint dict without the weights and optimizer state.
-    """
-    if os.path.isdir(path):  # a transformers directory written by export_hf.py
-        from export_hf import read_exported
-        ckpt = read_exported(path)
-    elif not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    else:
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # truncated zip, wrong file, or a type weights_only refuses
-            _fail(path, f"cannot be read as a torch checkpoint ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); is the file corrupt or truncated?")
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
-        _fail(path, f"expected a dict with 'model' and 'model_args', got {keys}")
-
-    try:
-        config = ModelConfig.from_dict(dict(ckpt["model_args"]))
-    except (TypeError, ValueError) as e:
-        _fail(path, f"model_args do not fit this model.py: {e}")
-
-    state = {}
-    for k, v in ckpt["model"].items():
-        for prefix in ("_orig_mod.", "module."):
-            while k.startswith(prefix):
-                k = k[len(prefix):]
-        state[k] = v
-    model = Model(config, backend=backend)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        _fail(path, f"weights do not match model_args: missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
-                    f", unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
-    for k, v in state.items():
-        if v.shape != expected[k].shape:
-            _fail(path, f"tensor {k} has shape {tuple(v.shape)}, model_args imply {tuple(expected[k].shape)}")
-        if v.is_floating_point() and not torch.isfinite(v).all():
-            _fail(path, f"tensor {k} contains NaN or Inf")
-    model.load_state_dict(state)
-    model.eval().to(device)
-    meta = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
-    return model, meta
+from checkpoint import load_model
 
 
 def check_vocab(tokenizer, model):
@@ -113,7 +52,7 @@ def main(argv=None):
     from tokenizer import load_tokenizer
     torch.manual_seed(args.seed)
     torch.cuda.manual_seed(args.seed)
-    model, _ = load_checkpoint(args.ckpt, args.device)
+    model, _ = load_model(args.ckpt, args.device)
     from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
     tok = load_tokenizer(args.tokenizer or exported_tokenizer(args.ckpt))
     check_vocab(tok, model)

@@ -1,179 +1,146 @@
 """
 Train a GDN / PRISM / attention language model. nanoGPT's loop, plus what a long run needs:
-exact resume, atomic checkpoints, and a loop that survives preemption, NaNs and bad input.
+exact resume, verified checkpoints, and a loop that survives preemption, NaNs and bad input.
 
-One process (CPU or one GPU):
-    python train.py config/tiny_cpu.py --max_iters=200
+CPU demo (prepares its data from Python's own documentation on first use):
+    python train.py config/tiny_cpu.py
+One GPU:
+    python train.py config/prism_130m.py
 DDP on one node (8 GPUs; the global batch stays what the config says):
     torchrun --standalone --nproc_per_node=8 train.py config/prism_130m.py
+FSDP (weights, gradients and AdamW state sharded over the GPUs; sharded checkpoints):
+    torchrun --standalone --nproc_per_node=8 train.py config/prism_1b3.py --fsdp=True
 Resume (picks the newest good checkpoint in out_dir):
     python train.py config/prism_130m.py --init_from=resume
+Every key, its default and its meaning (settings.py holds them):
+    python train.py --help
 
-Configuration = the defaults below, then each config file in order, then --key=value overrides.
-Train keys are the names below; model keys are ModelConfig's fields (model.py).
+The file reads in the order a run goes: setup (processes, device, precision), data (memmaps and a
+resumable order), model and optimizer (fresh or resumed), the step, evaluation, checkpoints,
+logging, faults (signals, NaN steps, out of memory, a CPU too slow for the config), then
+train(), the loop that strings them together.
 """
-import ast
-import dataclasses
 import gc
-import glob
-import hashlib
-import io
 import json
 import math
 import os
 import random
-import re
+import shlex
 import signal
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checkpoint import (CheckpointError, atomic_write, list_checkpoints, load_full_into_sharded,
+                        load_latest_checkpoint, load_model, load_sharded, rng_state, save_checkpoint,
+                        save_sharded, set_rng_state)
 from model import Model, ModelConfig
+from settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
 
-# -----------------------------------------------------------------------------------------------
-# defaults: train keys (nanoGPT's names)
-TRAIN_DEFAULTS = dict(
-    # I/O
-    out_dir="out",
-    dataset="slimpajama",            # reads <data_dir>/<dataset>/{train,val}.bin, meta.json
-    data_dir="data",
-    init_from="scratch",             # "scratch" | "resume" (newest good checkpoint in out_dir)
-    eval_interval=250,               # val loss + checkpoint every this many iterations
-    eval_iters=20,                   # val batches per evaluation
-    log_interval=10,
-    always_save_checkpoint=True,     # False: save only when val loss improves
-    keep_checkpoints=3,              # keep the last K checkpoint files
-    save_checkpoints=True,           # False: write none (benchmarks and throw-away runs)
-    # batch: the GLOBAL batch is batch_size * gradient_accumulation_steps sequences of block_size;
-    # each of N ranks does gradient_accumulation_steps / N micro-steps
-    batch_size=16,
-    gradient_accumulation_steps=16,
-    # AdamW + warmup/cosine schedule
-    learning_rate=3e-3,
-    min_lr=3e-4,
-    max_iters=3815,
-    warmup_iters=100,
-    lr_decay_iters=0,                # 0 = max_iters
-    weight_decay=0.1,
-    beta1=0.9,
-    beta2=0.95,
-    grad_clip=1.0,                   # 0 = no clipping (the norm is still logged)
-    # faults
-    max_bad_steps=10,                # abort after this many consecutive non-finite steps
-    debug_nan_iters=[],              # test hook: make the loss NaN at these iterations (1-based, as logged)
-    # system
-    seed=1337,
-    data_seed=-1,                    # DataOrder's seed; -1 = seed. Fix it to vary only the init
-    device="auto",                   # "auto" = cuda if available else cpu
-    dtype="auto",                    # "auto" = bfloat16 autocast on CUDA, float32 on CPU
-    compile=False,
-    backend=None,                    # recurrence: "naive" | "chunk" | "triton"; None = triton on CUDA else chunk
-    chunk_size=64,                   # the chunk backend's chunk length (the Triton kernels use 64)
-    activation_checkpointing=False,  # recompute each block in the backward: less memory, ~1/3 more compute
-    cpu_threads=0,                   # torch intra-op threads on CPU; 0 = torch's default
-    # optional loggers, off by default (the JSONL log in out_dir is always written)
-    wandb_log=False,
-    wandb_project="prism",
-    wandb_run_name="",
-    tensorboard_log=False,
-)
-MODEL_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                  for f in dataclasses.fields(ModelConfig)}
-TRAIN_SAMPLE = {**TRAIN_DEFAULTS, **MODEL_DEFAULTS}
-
-
-class UserError(Exception):
-    """Bad config, bad data, bad checkpoint: reported as one message, no traceback."""
+ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 # -----------------------------------------------------------------------------------------------
-# config: defaults -> config files -> --key=value
+# setup: processes, device, precision
 
-def _coerce(key, value, default):
-    """Check `value` against the type of the default; return it in that type."""
-    want = type(default)
-    if isinstance(default, bool):
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            value = value.lower() == "true"
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif isinstance(default, (list, tuple)):
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = [value]
-        ok = isinstance(value, (list, tuple))
-        value = want(value) if ok else value
-    elif default is None:  # optional string (the backend key)
-        ok = value is None or isinstance(value, str)
-        want = "str or None"
+@dataclass
+class Env:
+    """Where this process runs: its rank among `world` ranks, its device and its precision."""
+    ddp: bool   # in a process group (DDP, or FSDP on any number of ranks)
+    rank: int
+    world: int
+    device: torch.device
+    dtype: str  # "float32" | "bfloat16" (autocast)
+    fsdp: bool = False  # weights, gradients and optimizer state sharded over the ranks
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    def log(self, *args, **kw):
+        if self.master:  # rank 0 alone prints
+            print(*args, **kw, flush=True)
+
+    def autocast(self):
+        if self.dtype == "float32":
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def all_sum(self, t):
+        if self.ddp:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+
+def setup(cfg):
+    """Join the process group (under torchrun), pick the device and the precision."""
+    fsdp = cfg["fsdp"]
+    torchrun = int(os.environ.get("RANK", -1)) != -1
+    ddp = torchrun and (int(os.environ.get("WORLD_SIZE", 1)) > 1 or fsdp)
+    world = int(os.environ["WORLD_SIZE"]) if ddp else 1
+    G = cfg["gradient_accumulation_steps"]
+    if G % world:
+        raise UserError(f"gradient_accumulation_steps={G} (global) is not divisible by the "
+                        f"world size {world}; pick a multiple of {world}")
+    if cfg["cpu_threads"] > 0:
+        torch.set_num_threads(cfg["cpu_threads"])
+    want_cuda = cfg["device"].startswith("cuda") or (cfg["device"] == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise UserError(f"device={cfg['device']!r} but this torch ({torch.__version__}) sees no CUDA GPU; "
+                        f"use --device=cpu (and a small config, e.g. config/tiny_cpu.py)")
+    rank = 0
+    if ddp:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        device = torch.device(f"cuda:{local_rank}" if want_cuda else "cpu")
+        if want_cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+    elif fsdp:  # `python train.py --fsdp=True`: FSDP over a process group of one
+        ddp = True
+        device = torch.device(("cuda" if want_cuda else "cpu") if cfg["device"] == "auto" else cfg["device"])
+        if device.type == "cuda":
+            device = torch.device("cuda", device.index or 0)
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     else:
-        ok = isinstance(value, want)
-    if not ok:
-        name = want if isinstance(want, str) else want.__name__
-        raise UserError(f"config key '{key}' expects {name}, got {value!r} ({type(value).__name__})")
-    return value
+        device = torch.device("cuda" if cfg["device"] == "auto" and want_cuda else
+                              "cpu" if cfg["device"] == "auto" else cfg["device"])
+    dtype = cfg["dtype"] if cfg["dtype"] != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return Env(ddp, rank, world, device, dtype, fsdp)
 
 
-def _parse_value(text):
-    """--key=value: a Python literal if it parses as one, else the raw string."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def parse_config(argv):
-    """Defaults, then config files and --key=value overrides in the order given. Returns a dict
-    holding every train key and every model key."""
-    cfg = dict(TRAIN_SAMPLE)
-    for arg in argv:
-        if arg.startswith("--"):
-            key, eq, text = arg[2:].partition("=")
-            if not eq:
-                raise UserError(f"expected --key=value, got '{arg}'")
-            default = TRAIN_SAMPLE.get(key, 0)
-            if isinstance(default, str) or (default is None and text != "None"):
-                value = text  # strings stay as typed: --dataset=2024 is a name, not a number
-            else:
-                value = None if default is None else _parse_value(text)
-            items, source = {key: value}, "command line"
-        else:
-            if not os.path.isfile(arg):
-                raise UserError(f"config file '{arg}' not found")
-            ns = {"__file__": arg}
-            with open(arg) as f:
-                exec(compile(f.read(), arg, "exec"), ns)  # nanoGPT style: plain Python assignments
-            items = {k: v for k, v in ns.items() if not k.startswith("_")
-                     and not callable(v) and type(v).__name__ != "module"}
-            source = arg
-        for key, value in items.items():
-            if key not in TRAIN_SAMPLE:
-                raise UserError(
-                    f"unknown config key '{key}' (from {source}).\n"
-                    f"  train keys: {', '.join(TRAIN_DEFAULTS)}\n"
-                    f"  model keys: {', '.join(MODEL_DEFAULTS)}")
-            cfg[key] = _coerce(key, value, TRAIN_SAMPLE[key])
-    if cfg["init_from"] not in ("scratch", "resume"):
-        raise UserError(f"init_from must be 'scratch' or 'resume', got {cfg['init_from']!r}")
-    if cfg["dtype"] not in ("auto", "float32", "bfloat16"):
-        raise UserError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {cfg['dtype']!r}")
-    return cfg
-
-
-def model_args_of(cfg):
-    return {k: cfg[k] for k in MODEL_DEFAULTS}
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # -----------------------------------------------------------------------------------------------
 # data: uint16 memmaps, a deterministic and resumable order
+
+DEMO_DATASET = "pydoc"  # built on first use from the documentation inside every Python install
+
+
+@dataclass
+class Data:
+    paths: dict         # split -> .bin path
+    meta: dict          # the dataset's meta.json (tokenizer, vocab, counts)
+    n_train: int        # tokens
+    n_val: int
+    order: "DataOrder"
+
 
 def prepare_hint(data_dir, dataset):
     out = os.path.join(data_dir, dataset)
@@ -182,9 +149,34 @@ def prepare_hint(data_dir, dataset):
     return f"python data/prepare_slimpajama.py --data_files 'path/to/*.jsonl.zst' --out_dir={out}"
 
 
-def open_data(cfg):
-    """Check the dataset directory; return (paths, meta)."""
+def prepare_demo_data(d):
+    """The CPU demo's corpus: Python's own documentation (pydoc_data, ~0.5 MB of English, no
+    download), one document per paragraph, 5% of them held out, tokenized into d by
+    data/prepare_slimpajama.py. Everything it writes stays in d."""
+    from pydoc_data.topics import topics
+    src = os.path.join(d, "pydoc.txt")
+    atomic_write(src, "\n\n".join(topics.values()))
+    args = ["--data_files", src, "--tokens", "all", "--val_tokens", "all", "--val_fraction", "0.05",
+            "--num_proc", "1", "--overwrite", "--out_dir", d]
+    script = os.path.join(ROOT, "data", "prepare_slimpajama.py")
+    print(f"{d}: no data yet; preparing it from Python's documentation (pydoc_data):\n"
+          f"  {shlex.join(['python', os.path.relpath(script), *args])}", flush=True)
+    r = subprocess.run([sys.executable, script, *args])
+    if r.returncode != 0:
+        raise UserError(f"preparing the demo data in {d} failed (exit code {r.returncode}, "
+                        f"its error is above)")
+
+
+def load_data(cfg, env, model_args):
+    """Check the dataset directory (building the demo dataset when it is missing); refuse data
+    whose vocab or token ids do not fit the model."""
     d = os.path.join(cfg["data_dir"], cfg["dataset"])
+    if cfg["dataset"] == DEMO_DATASET:
+        ready = all(os.path.isfile(os.path.join(d, f)) for f in ("train.bin", "val.bin", "meta.json"))
+        if env.master and not ready:
+            prepare_demo_data(d)
+        if env.ddp:
+            dist.barrier()  # every rank, whatever it saw: the others wait for rank 0's files
     paths = {s: os.path.join(d, f"{s}.bin") for s in ("train", "val")}
     for split, p in paths.items():
         if not os.path.isfile(p):
@@ -199,8 +191,16 @@ def open_data(cfg):
         with open(meta_path) as f:
             meta = json.load(f)
     else:
-        print(f"warning: {meta_path} missing; cannot check the tokenizer/vocab of the data")
-    return paths, meta
+        env.log(f"warning: {meta_path} missing; cannot check the tokenizer/vocab of the data")
+    check_data_meta(meta, model_args)
+    for split in ("train", "val"):  # once, here: on CUDA a bad id is an unexplained device assert
+        data = np.memmap(paths[split], dtype=np.uint16, mode="r")
+        top = max(int(data[i:i + 2**26].max()) for i in range(0, len(data), 2**26))
+        if top >= model_args["vocab_size"]:
+            raise UserError(f"{paths[split]} holds token id {top} >= vocab_size {model_args['vocab_size']}")
+    n_train, n_val = (os.path.getsize(paths[s]) // 2 for s in ("train", "val"))
+    order_seed = cfg["data_seed"] if cfg["data_seed"] >= 0 else cfg["seed"]
+    return Data(paths, meta, n_train, n_val, DataOrder(n_train, cfg["block_size"], order_seed))
 
 
 def data_eos_id(meta, model_args):
@@ -272,99 +272,122 @@ def get_batch(path, starts, block_size, device):
 
 
 # -----------------------------------------------------------------------------------------------
-# checkpoints: atomic writes, last K kept, corrupt ones detected and skipped
+# model, optimizer, and where the run stands (fresh or resumed)
 
-CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
+RESUME_KEYS = ("model", "optimizer", "model_args", "iter_num", "data_pos")
 
 
-def _fsync_dir(d):
+@dataclass
+class Progress:
+    """Where the run stands: saved in every checkpoint under these names, restored on resume."""
+    iter_num: int = 0                   # optimizer steps taken (skipped ones included)
+    data_pos: int = 0                   # training samples consumed, globally: DataOrder's position
+    best_val_loss: float = float("inf")
+    skipped: int = 0                    # non-finite steps whose update was skipped, in total
+    bad_streak: int = 0                 # ... in a row, up to now
+
+
+def build_model(cfg, env, model_args):
+    torch.manual_seed(cfg["seed"])  # same initial weights on every rank
     try:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+        raw_model = Model(ModelConfig(**model_args), backend=cfg["backend"], chunk_size=cfg["chunk_size"])
+    except (ValueError, TypeError) as e:
+        raise UserError(str(e))
+    raw_model = raw_model.to(env.device)
+    raw_model.activation_checkpointing = cfg["activation_checkpointing"]
+    if env.fsdp:
+        shard_model(raw_model, env)
+    optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
+                                               (cfg["beta1"], cfg["beta2"]), env.device.type)
+    return raw_model, optimizer
 
 
-def atomic_write(path, data):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+# architecture keys come from the weights; these may change when fine-tuning them
+FINETUNE_FREE_KEYS = ("dropout", "block_size")
 
 
-def list_checkpoints(out_dir):
-    """Checkpoint paths, newest first."""
-    found = []
-    for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt")):
-        m = CKPT_RE.search(os.path.basename(p))
-        if m:
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def save_checkpoint(out_dir, ckpt, keep):
-    """ckpt_<iter>.pt (+ .sha256 beside it); ckpt.pt links to the newest; prune to the last K."""
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    data = buf.getvalue()
-    path = os.path.join(out_dir, f"ckpt_{ckpt['iter_num']:07d}.pt")
-    atomic_write(path, data)
-    atomic_write(path + ".sha256", hashlib.sha256(data).hexdigest().encode())
-    link = os.path.join(out_dir, "ckpt.pt")
+def init_weights_from(cfg, env, model_args):
+    """--init_from=<checkpoint file or export_hf.py directory>: start a fresh run (new optimizer,
+    iteration 0) from those weights. Their architecture replaces the config's (updates
+    model_args in place); returns the state dict, or None for scratch/resume."""
+    src = cfg["init_from"]
+    if src in ("scratch", "resume"):
+        return None
     try:
-        tmp = link + ".tmp"
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        os.symlink(os.path.basename(path), tmp)
-        os.replace(tmp, link)
-    except OSError:
-        pass
-    for old in list_checkpoints(out_dir)[max(keep, 1):]:
-        for p in (old, old + ".sha256"):
-            if os.path.exists(p):
-                os.remove(p)
-    return path
+        model, meta = load_model(src, "cpu", warn=env.log)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e))
+    theirs = {**MODEL_DEFAULTS, **ModelConfig.from_dict(meta["model_args"]).__dict__}
+    changed = [f"{k}={theirs[k]!r} (config had {model_args[k]!r})" for k in model_args
+               if k not in FINETUNE_FREE_KEYS and _norm(theirs[k]) != _norm(model_args[k])]
+    model_args.update({k: theirs[k] for k in model_args if k not in FINETUNE_FREE_KEYS})
+    env.log(f"initialising from {src}" + (f"; its architecture replaces the config's: {', '.join(changed)}"
+                                           if changed else ""))
+    return model.state_dict()
 
 
-def load_checkpoint(path):
-    """Load one checkpoint; raise ValueError saying why it is unusable."""
-    with open(path, "rb") as f:
-        data = f.read()
-    digest_path = path + ".sha256"
-    if os.path.isfile(digest_path):
-        with open(digest_path) as f:
-            want = f.read().strip()
-        if hashlib.sha256(data).hexdigest() != want:
-            raise ValueError("sha256 does not match the digest written with it (truncated or corrupt)")
-    try:
-        ckpt = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for a damaged zip
-        raise ValueError(f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-    missing = [k for k in ("model", "optimizer", "model_args", "iter_num", "data_pos") if k not in ckpt]
-    if missing:
-        raise ValueError(f"lacks keys {missing}")
-    return ckpt
+def shard_model(raw_model, env):
+    """FSDP2 in place: each block is one unit that is all-gathered for its forward and backward and
+    whose gradients are reduce-scattered; the root unit holds the rest (the embedding, the final
+    norm and the head: a tied head shares the embedding's weight, so they must be one unit).
+    Under bf16 the gathered weights are bf16 and gradients are reduced in float32; the sharded
+    weights the optimizer updates stay float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if env.dtype == "bfloat16" else MixedPrecisionPolicy())
+    for block in raw_model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(raw_model, mp_policy=mp)
 
 
-def load_latest_checkpoint(out_dir, log=print):
-    """Newest checkpoint that loads; corrupt ones are reported and skipped."""
-    paths = list_checkpoints(out_dir)
-    if not paths:
+def wrap_model(raw_model, cfg, env):
+    """The module the step runs: compiled and/or DDP-wrapped. raw_model keeps the weights that are
+    evaluated and saved. Under FSDP, raw_model is already sharded (in place) and is compiled whole,
+    as without FSDP; the kernels stay outside the graph either way."""
+    model = torch.compile(raw_model) if cfg["compile"] else raw_model
+    if env.ddp and not env.fsdp:
+        model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    return model
+
+
+def start_or_resume(cfg, env, data, raw_model, optimizer, model_args):
+    """Seed every rank's random streams; on resume, load the newest checkpoint that verifies
+    (refusing a changed model or tokenizer) and restore weights, optimizer, position and RNG."""
+    out_dir = cfg["out_dir"]
+    os.makedirs(out_dir, exist_ok=True)
+    random.seed(cfg["seed"] + env.rank)
+    np.random.seed(cfg["seed"] + env.rank)
+    torch.manual_seed(cfg["seed"] + env.rank)  # per-rank streams (dropout)
+    if cfg["init_from"] != "resume":  # scratch, or fine-tuning given weights
+        if list_checkpoints(out_dir):
+            raise UserError(f"{out_dir} already holds checkpoints; use --init_from=resume "
+                            f"or another --out_dir")
+        return Progress()
+    if not list_checkpoints(out_dir):
         raise UserError(f"init_from='resume' but no checkpoint (ckpt_*.pt) in {out_dir}")
-    for i, p in enumerate(paths):
-        try:
-            return p, load_checkpoint(p)
-        except ValueError as e:
-            nxt = paths[i + 1] if i + 1 < len(paths) else None
-            log(f"warning: checkpoint {p} is unusable: {e}; "
-                + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))
-    raise UserError(f"no usable checkpoint in {out_dir} (tried {len(paths)})")
+    try:
+        path, ckpt = load_latest_checkpoint(out_dir, RESUME_KEYS, env.log, move=env.master)
+    except CheckpointError as e:
+        raise UserError(str(e))
+    check_resume_model_args(ckpt["model_args"], model_args)
+    check_data_meta(data.meta, model_args, ckpt.get("data_meta"))
+    changed = [k for k in TRAIN_DEFAULTS if k in ckpt.get("config", {})
+               and _norm(ckpt["config"][k]) != _norm(cfg[k])]
+    env.log(f"resuming from {path} (iter {ckpt['iter_num']})"
+            + (f"; train keys changed since: {', '.join(changed)}" if changed else ""))
+    if os.path.isdir(path):  # sharded (written with FSDP, on any number of ranks)
+        load_sharded(path, raw_model, optimizer)
+    elif env.fsdp:
+        load_full_into_sharded(raw_model, optimizer, ckpt)
+    else:
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    rngs = ckpt.get("rng") or []
+    if len(rngs) == env.world:
+        set_rng_state(rngs[env.rank], env.device)
+    else:
+        env.log(f"warning: checkpoint has RNG states for {len(rngs)} ranks, running {env.world}; reseeded")
+    return Progress(**{k: ckpt[k] for k in asdict(Progress()) if k in ckpt})
 
 
 def check_resume_model_args(ckpt_args, model_args):
@@ -381,26 +404,8 @@ def _norm(v):
     return list(v) if isinstance(v, (list, tuple)) else v
 
 
-def rng_state(device):
-    np_state = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state, device):
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
-    torch.set_rng_state(state["torch"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 # -----------------------------------------------------------------------------------------------
-# schedule, faults
+# the step
 
 def get_lr(it, cfg):
     """Linear warmup, cosine decay to min_lr at lr_decay_iters, then flat."""
@@ -413,6 +418,260 @@ def get_lr(it, cfg):
     return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
 
 
+def forward_loss(model, x, y):
+    """The loss of one micro-batch (a seam of its own: the tests wrap it to inject faults)."""
+    _, loss = model(x, y)
+    return loss
+
+
+def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested):
+    """One optimizer step over the global batch. Gradients accumulate over this rank's
+    micro-steps (DDP: all-reduced on the last one only; FSDP: reduce-scattered after each, so that
+    no rank ever holds the whole model's gradient) and are clipped; a step whose loss or gradient
+    is not finite on any rank is skipped, weights and optimizer state left as they were. One
+    all-reduce also tells every rank whether any of them was asked to stop.
+    Returns (mean loss, grad norm, skipped?, stop?) and advances `prog`."""
+    B, T = cfg["batch_size"], cfg["block_size"]
+    accum = cfg["gradient_accumulation_steps"] // env.world
+    lr = get_lr(prog.iter_num, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=env.device)
+    for micro in range(accum):
+        starts = data.order.starts(prog.data_pos, micro, env.rank, env.world, B, T)
+        x, y = get_batch(data.paths["train"], starts, T, env.device)
+        with (model.no_sync() if env.ddp and not env.fsdp and micro < accum - 1 else nullcontext()):
+            with env.autocast():
+                loss = forward_loss(model, x, y)
+            loss_sum += loss.detach().float()
+            (loss / accum).backward()
+    clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
+    if env.fsdp:
+        grad_norm = grad_norm.full_tensor()  # a DTensor: the norm over all the ranks' shards
+    bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+    flags = env.all_sum(torch.stack([loss_sum / accum, bad.float(),
+                                     torch.tensor(float(stop_requested), device=env.device)]))
+    loss_val, bad, stop = (flags[0] / env.world).item(), flags[1].item() > 0, flags[2].item() > 0
+    if bad:
+        prog.skipped += 1
+        prog.bad_streak += 1
+    else:
+        optimizer.step()
+        prog.bad_streak = 0
+    optimizer.zero_grad(set_to_none=True)
+    prog.iter_num += 1
+    prog.data_pos += B * cfg["gradient_accumulation_steps"]
+    return loss_val, grad_norm.item(), bad, stop
+
+
+# -----------------------------------------------------------------------------------------------
+# evaluation
+
+@torch.no_grad()
+def evaluate(raw_model, data, cfg, env):
+    """Mean loss over the fixed val windows; the ranks split them. Under FSDP every forward gathers
+    weights from all ranks, so each rank runs as many as the busiest one; the extras count nothing."""
+    B, T, n = cfg["batch_size"], cfg["block_size"], cfg["eval_iters"]
+    raw_model.eval()
+    starts = val_starts(data.n_val, T, n * B)
+    total = torch.zeros(2, device=env.device)
+    for i in range(env.rank, -(-n // env.world) * env.world if env.fsdp else n, env.world):
+        x, y = get_batch(data.paths["val"], starts[i % n * B:(i % n + 1) * B], T, env.device)
+        with env.autocast():
+            _, loss = raw_model(x, y)
+        if i < n:
+            total += torch.stack([loss.float(), torch.ones((), device=env.device)])
+    raw_model.train()
+    total = env.all_sum(total)
+    return (total[0] / total[1]).item()
+
+
+# -----------------------------------------------------------------------------------------------
+# checkpoints (written, verified and rotated by checkpoint.py)
+
+def save(cfg, env, raw_model, optimizer, prog, data, model_args):
+    """Every rank's RNG state goes to rank 0, which writes the checkpoint; the others wait. Under
+    FSDP every rank writes its shards into one directory (checkpoint.save_sharded)."""
+    if not cfg["save_checkpoints"]:
+        return "nothing (save_checkpoints=False)"
+    rngs = [None] * env.world
+    if env.ddp:
+        dist.all_gather_object(rngs, rng_state(env.device))
+    else:
+        rngs = [rng_state(env.device)]
+    if env.fsdp:
+        return save_sharded(cfg["out_dir"], raw_model, optimizer, {
+            **asdict(prog), "model_args": model_args, "config": cfg, "data_meta": data.meta,
+            "rng": rngs, "world_size": env.world}, cfg["keep_checkpoints"], env.log)
+    path = None
+    if env.master:
+        path = save_checkpoint(cfg["out_dir"], {
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), **asdict(prog),
+            "model_args": model_args, "config": cfg, "data_meta": data.meta, "rng": rngs,
+            "world_size": env.world,
+        }, cfg["keep_checkpoints"], env.log)
+    if env.ddp:
+        dist.barrier()
+    return path
+
+
+# -----------------------------------------------------------------------------------------------
+# logging: the console, out_dir/log.jsonl, optional wandb / TensorBoard
+
+class RunLog:
+    """log.jsonl (every logged step, strict JSON) plus wandb / TensorBoard when asked for; rank 0
+    only. A fresh run starts the file empty; a resumed one drops the lines past its checkpoint
+    (what a killed run logged after its last save)."""
+
+    def __init__(self, cfg, env, resumed_at=None):
+        self.on = env.master
+        self.path = os.path.join(cfg["out_dir"], "log.jsonl")
+        self.wandb = self.tb = None
+        if not self.on:
+            return
+        keep = []
+        if resumed_at is not None and os.path.isfile(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["iter"] <= resumed_at:
+                            keep.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        pass
+        atomic_write(self.path, "".join(keep))
+        if cfg["wandb_log"]:
+            try:
+                import wandb
+                wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or None, config=cfg)
+                self.wandb = wandb
+            except Exception as e:  # missing package, offline, no login: keep training
+                env.log(f"warning: wandb disabled ({type(e).__name__}: {e})")
+        if cfg["tensorboard_log"]:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(os.path.join(cfg["out_dir"], "tb"))
+            except Exception as e:
+                env.log(f"warning: tensorboard disabled ({type(e).__name__}: {e})")
+
+    def write(self, rec):
+        if not self.on:
+            return
+        rec = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+        with open(self.path, "a") as f:  # strict JSON: NaN/Inf become null
+            f.write(json.dumps(rec) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in rec.items() if k != "iter"}, step=rec["iter"])
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k != "iter" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, rec["iter"])
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def log_step(runlog, env, raw_model, cfg, prog, loss, grad_norm, dt, dt_avg):
+    T = cfg["block_size"]
+    tokens_per_iter = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * T
+    lr = get_lr(prog.iter_num - 1, cfg)
+    # MFU against a GPU's peak means nothing on a CPU
+    mfu = (raw_model.estimate_mfu(cfg["batch_size"] * cfg["gradient_accumulation_steps"] // env.world, dt)
+           if env.device.type == "cuda" else None)
+    eta = dt_avg * (cfg["max_iters"] - prog.iter_num)
+    env.log(f"iter {prog.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} tok/s, "
+            + (f"mfu {mfu * 100:.1f}%, " if mfu is not None else "")
+            + f"grad {grad_norm:.3f}, eta {fmt_time(eta)}")
+    runlog.write({"iter": prog.iter_num, "loss": loss, "lr": lr, "tokens": prog.data_pos * T,
+                  "tok_s": tokens_per_iter / dt, **({"mfu": mfu} if mfu is not None else {}),
+                  "grad_norm": grad_norm, "skipped": prog.skipped, "dt": dt,
+                  **({"mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30}
+                     if env.device.type == "cuda" else {})})
+
+
+def fmt_time(s):
+    s = int(s)
+    if s >= 2 * 86400:
+        return f"{s / 86400:,.0f} days"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def fmt_tokens(n):
+    """12,345 / 12.3M / 2.00B: exact below a million, then in M below a billion, then in B."""
+    if n < 1e6:
+        return f"{n:,}"
+    return f"{n / 1e6:.1f}M" if round(n / 1e6, 1) < 1000 else f"{n / 1e9:.2f}B"
+
+
+def announce(cfg, env, raw_model):
+    B, T, G = cfg["batch_size"], cfg["block_size"], cfg["gradient_accumulation_steps"]
+    a = raw_model.config
+    env.log(f"model: {raw_model.num_params(non_embedding=False) / 1e6:.2f}M parameters ({a.mixer}"
+            f"{', attention at ' + str(list(a.attn_layers)) if a.attn_layers else ''}), "
+            f"backend {raw_model.backend}, device {env.device}, dtype {env.dtype}, world {env.world}"
+            + (" (FSDP)" if env.fsdp else ""))
+    env.log(f"global batch: {B} seqs x {G // env.world} micro-steps x {env.world} ranks x {T} tokens = "
+            f"{B * G * T:,} tokens/iter; {cfg['max_iters']} iters = "
+            f"{fmt_tokens(cfg['max_iters'] * B * G * T)} tokens")
+
+
+# -----------------------------------------------------------------------------------------------
+# faults: stop signals, non-finite steps, out of memory, a CPU too slow for the config
+
+class StopNow(BaseException):
+    """A second stop signal: leave at once, saving nothing (BaseException: no `except Exception`
+    on the way out may swallow it)."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGTERM / SIGINT. The first asks for a checkpoint after the current step (the loop reads
+    `requested` once a step, all ranks together) and says so at once; a second stops at once
+    without saving. A repeat within REPEAT_S seconds is the same request delivered twice
+    (launchers such as torchrun and SLURM signal the workers as well as themselves): ignored."""
+    REPEAT_S = 1.0
+
+    def __init__(self, announce):
+        self.name, self.at, self.announce, self.old = None, 0.0, announce, {}
+
+    @property
+    def requested(self):
+        return self.name is not None
+
+    def install(self):
+        self.old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.name is None:
+            self.name, self.at = name, time.monotonic()
+            if self.announce:  # os.write: print() from a signal handler can hit a half-done write
+                os.write(2, f"\nreceived {name}: will save a checkpoint after the current step, then exit; "
+                            f"send it again to stop at once without saving\n".encode())
+        elif time.monotonic() - self.at > self.REPEAT_S:
+            raise StopNow(signum)
+
+
+def report_bad_step(prog, cfg, env):
+    env.log(f"warning: iter {prog.iter_num}: non-finite loss or gradient; update skipped "
+            f"({prog.bad_streak} in a row, {prog.skipped} in total)")
+    if prog.bad_streak >= cfg["max_bad_steps"]:
+        good = list_checkpoints(cfg["out_dir"])
+        raise UserError(f"aborting at iter {prog.iter_num}: {prog.bad_streak} consecutive non-finite "
+                        f"steps (max_bad_steps={cfg['max_bad_steps']}); last good checkpoint: "
+                        f"{good[0] if good else 'none'}. Lower learning_rate or check the data.")
+
+
 def suggest_micro_batch(batch_size, fits):
     """Largest batch_size / 2^k (k >= 1) for which fits(b) is True, or None."""
     b = batch_size // 2
@@ -423,212 +682,20 @@ def suggest_micro_batch(batch_size, fits):
     return None
 
 
-STOP = {"signal": None}
+def oom_error(model, optimizer, cfg, env, iter_num):
+    """Called once the out-of-memory traceback (and the activations it held) is gone: find a
+    micro-batch that fits and say how to rerun with the same global batch."""
+    B, T, G = cfg["batch_size"], cfg["block_size"], cfg["gradient_accumulation_steps"]
+    peak = torch.cuda.max_memory_allocated(env.device) / 2**30
+    total = torch.cuda.get_device_properties(env.device).total_memory / 2**30
+    gc.collect()
 
-
-def _on_signal(signum, frame):
-    if STOP["signal"] is not None and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # a second Ctrl-C: stop now
-    STOP["signal"] = signal.Signals(signum).name
-
-
-def fmt_time(s):
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-# -----------------------------------------------------------------------------------------------
-# the run
-
-def train(cfg):
-    # --- processes and devices
-    ddp = int(os.environ.get("RANK", -1)) != -1 and int(os.environ.get("WORLD_SIZE", 1)) > 1
-    world = int(os.environ["WORLD_SIZE"]) if ddp else 1
-    G = cfg["gradient_accumulation_steps"]
-    if G % world:
-        raise UserError(f"gradient_accumulation_steps={G} (global) is not divisible by the "
-                        f"world size {world}; pick a multiple of {world}")
-    if cfg["cpu_threads"] > 0:
-        torch.set_num_threads(cfg["cpu_threads"])
-    want_cuda = cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available())
-    if ddp:
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-        if want_cuda:
-            device = torch.device(f"cuda:{local_rank}")
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        dist.init_process_group(backend="nccl" if want_cuda else "gloo")
-    else:
-        rank = 0
-        device = torch.device("cuda" if want_cuda else cfg["device"] if cfg["device"] != "auto" else "cpu")
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-
-    accum = G // world
-    B, T = cfg["batch_size"], cfg["block_size"]
-    seqs_per_iter = B * G
-    tokens_per_iter = seqs_per_iter * T
-    dtype = cfg["dtype"] if cfg["dtype"] != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    autocast = (nullcontext() if dtype == "float32"
-                else torch.autocast(device_type=device.type, dtype=torch.bfloat16))
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    # --- data
-    model_args = model_args_of(cfg)
-    try:
-        ModelConfig(**model_args)
-    except (ValueError, TypeError) as e:
-        raise UserError(str(e))
-    paths, meta = open_data(cfg)
-    model_args["eos_id"] = data_eos_id(meta, model_args)
-    n_train = os.path.getsize(paths["train"]) // 2
-    n_val = os.path.getsize(paths["val"]) // 2
-    check_data_meta(meta, model_args)
-    for split in ("train", "val"):  # once, here: on CUDA a bad id is an unexplained device assert
-        data = np.memmap(paths[split], dtype=np.uint16, mode="r")
-        top = max(int(data[i:i + 2**26].max()) for i in range(0, len(data), 2**26))
-        if top >= model_args["vocab_size"]:
-            raise UserError(f"{paths[split]} holds token id {top} >= vocab_size {model_args['vocab_size']}")
-    order = DataOrder(n_train, T, cfg["data_seed"] if cfg["data_seed"] >= 0 else cfg["seed"])
-
-    # --- model, optimizer, state
-    os.makedirs(cfg["out_dir"], exist_ok=True)
-    log_path = os.path.join(cfg["out_dir"], "log.jsonl")
-    iter_num, data_pos, best_val, skipped, bad_streak = 0, 0, float("inf"), 0, 0
-    ckpt = None
-    if cfg["init_from"] == "resume":
-        ckpt_path, ckpt = load_latest_checkpoint(cfg["out_dir"], log)
-        check_resume_model_args(ckpt["model_args"], model_args)
-        check_data_meta(meta, model_args, ckpt.get("data_meta"))
-        changed = [k for k in TRAIN_DEFAULTS if k in ckpt.get("config", {})
-                   and _norm(ckpt["config"][k]) != _norm(cfg[k])]
-        log(f"resuming from {ckpt_path} (iter {ckpt['iter_num']})"
-            + (f"; train keys changed since: {', '.join(changed)}" if changed else ""))
-    elif list_checkpoints(cfg["out_dir"]):
-        raise UserError(f"{cfg['out_dir']} already holds checkpoints; use --init_from=resume "
-                        f"or another --out_dir")
-
-    torch.manual_seed(cfg["seed"])  # same initial weights on every rank
-    try:
-        model = Model(ModelConfig(**model_args), backend=cfg["backend"], chunk_size=cfg["chunk_size"])
-    except ValueError as e:
-        raise UserError(str(e))
-    model = model.to(device)
-    model.activation_checkpointing = cfg["activation_checkpointing"]
-    optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
-                                           (cfg["beta1"], cfg["beta2"]), device.type)
-    random.seed(cfg["seed"] + rank)
-    np.random.seed(cfg["seed"] + rank)
-    torch.manual_seed(cfg["seed"] + rank)  # per-rank streams (dropout)
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        iter_num, data_pos = ckpt["iter_num"], ckpt["data_pos"]
-        best_val = ckpt.get("best_val_loss", best_val)
-        skipped, bad_streak = ckpt.get("skipped", 0), ckpt.get("bad_streak", 0)
-        rngs = ckpt.get("rng") or []
-        if len(rngs) == world:
-            set_rng_state(rngs[rank], device)
-        else:
-            log(f"warning: checkpoint has RNG states for {len(rngs)} ranks, running {world}; reseeded")
-        ckpt = None
-        if master and os.path.isfile(log_path):  # drop log lines past the checkpoint (a killed run's)
-            keep = []
-            with open(log_path) as f:
-                for line in f:
-                    try:
-                        if json.loads(line)["iter"] <= iter_num:
-                            keep.append(line if line.endswith("\n") else line + "\n")
-                    except (ValueError, KeyError, TypeError):
-                        pass
-            atomic_write(log_path, "".join(keep).encode())
-    elif master:
-        atomic_write(log_path, b"")
-    resumed_at = iter_num if cfg["init_from"] == "resume" else None
-
-    raw_model = model
-    if cfg["compile"]:
-        model = torch.compile(model)
-    if ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    # --- loggers
-    wandb = tb = None
-    if master and cfg["wandb_log"]:
-        try:
-            import wandb
-            wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or None, config=cfg)
-        except Exception as e:  # missing package, offline, no login: keep training
-            log(f"warning: wandb disabled ({type(e).__name__}: {e})")
-            wandb = None
-    if master and cfg["tensorboard_log"]:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            tb = SummaryWriter(os.path.join(cfg["out_dir"], "tb"))
-        except Exception as e:
-            log(f"warning: tensorboard disabled ({type(e).__name__}: {e})")
-
-    def write_log(rec):
-        if not master:
-            return
-        rec = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
-        with open(log_path, "a") as f:  # strict JSON: NaN/Inf become null
-            f.write(json.dumps(rec) + "\n")
-        if wandb is not None:
-            wandb.log({k: v for k, v in rec.items() if k != "iter"}, step=rec["iter"])
-        if tb is not None:
-            for k, v in rec.items():
-                if k != "iter" and isinstance(v, (int, float)):
-                    tb.add_scalar(k, v, rec["iter"])
-
-    def all_sum(t):
-        if ddp:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-    @torch.no_grad()
-    def evaluate():
-        model.eval()
-        starts = val_starts(n_val, T, cfg["eval_iters"] * B)
-        total = torch.zeros(2, device=device)
-        for i in range(rank, cfg["eval_iters"], world):  # ranks split the fixed val batches
-            x, y = get_batch(paths["val"], starts[i * B:(i + 1) * B], T, device)
-            with autocast:
-                _, loss = raw_model(x, y)
-            total += torch.stack([loss.float(), torch.ones((), device=device)])
-        model.train()
-        total = all_sum(total)
-        return (total[0] / total[1]).item()
-
-    def checkpoint():
-        if not cfg["save_checkpoints"]:
-            return "nothing (save_checkpoints=False)"
-        rngs = [None] * world
-        if ddp:
-            dist.all_gather_object(rngs, rng_state(device))
-        else:
-            rngs = [rng_state(device)]
-        path = None
-        if master:
-            path = save_checkpoint(cfg["out_dir"], {
-                "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                "model_args": model_args, "iter_num": iter_num, "data_pos": data_pos,
-                "best_val_loss": best_val, "config": cfg, "data_meta": meta, "rng": rngs,
-                "world_size": world, "skipped": skipped, "bad_streak": bad_streak,
-            }, cfg["keep_checkpoints"])
-        if ddp:
-            dist.barrier()
-        return path
-
-    def fits(b):  # OOM probe: can one fwd+bwd of b sequences run now?
+    def fits(b):  # can one forward + backward of b sequences run now?
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         try:
-            x = torch.randint(0, model_args["vocab_size"], (b, T), device=device)
-            with (model.no_sync() if ddp else nullcontext()), autocast:
+            x = torch.randint(0, cfg["vocab_size"], (b, T), device=env.device)
+            with (model.no_sync() if env.ddp and not env.fsdp else nullcontext()), env.autocast():
                 _, loss = model(x, x)
             loss.backward()
             return True
@@ -638,122 +705,137 @@ def train(cfg):
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
 
-    # --- loop
-    old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    n_params = raw_model.num_params(non_embedding=False)
-    log(f"model: {n_params / 1e6:.2f}M parameters ({model_args['mixer']}"
-        f"{', attention at ' + str(list(model_args['attn_layers'])) if model_args['attn_layers'] else ''}), "
-        f"backend {raw_model.backend}, device {device}, dtype {dtype}, world {world}")
-    log(f"global batch: {B} seqs x {accum} micro-steps x {world} ranks x {T} tokens = "
-        f"{tokens_per_iter:,} tokens/iter; {cfg['max_iters']} iters = {cfg['max_iters'] * tokens_per_iter / 1e9:.3f}B tokens")
-    t_start, dt_avg, last_eval, oom = time.time(), None, None, False
+    b = suggest_micro_batch(B, fits)
+    hint = (f"batch_size={b} fits: rerun with --batch_size={b} --gradient_accumulation_steps="
+            f"{G * B // b} (same global batch)" if b else "even batch_size=1 does not fit; "
+            "shorten block_size or shrink the model")
+    return UserError(f"CUDA out of memory at iter {iter_num} with batch_size={B} x block_size={T} "
+                     f"per GPU (peak {peak:.1f} of {total:.1f} GiB). {hint}")
+
+
+CPU_WARN_STEP_S = 10.0  # warn when one step on a CPU is estimated to take longer than this
+
+
+def cpu_flops(n=512, reps=3):
+    """A rough float32 matmul FLOP/s of this CPU at torch's thread count: an upper bound on what
+    a training step gets."""
+    a = torch.randn(n, n)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def check_cpu_speed(raw_model, cfg, env):
+    """On a CPU, warn before the first step when the config is sized for a GPU."""
+    if env.device.type != "cpu":
+        return
+    tokens = cfg["batch_size"] * cfg["gradient_accumulation_steps"] // env.world * cfg["block_size"]
+    flops = raw_model.flops_per_token(cfg["block_size"]) * tokens
+    rate = cpu_flops()
+    step_s = flops / rate
+    if step_s < CPU_WARN_STEP_S:
+        return
+    env.log(f"warning: this config is sized for a GPU. On this CPU one step ({tokens:,} tokens x "
+            f"{raw_model.flops_per_token(cfg['block_size']) / 1e9:.2f} GFLOP) takes at least "
+            f"{fmt_time(step_s)} at the {rate / 1e9:.0f} GFLOP/s its matmuls reach, "
+            f"the run ({cfg['max_iters']} steps) {fmt_time(step_s * cfg['max_iters'])}.\n"
+            f"  For a CPU run pick a tiny config: python train.py config/tiny_cpu.py\n"
+            f"  or shrink this one, e.g. --n_layer=2 --n_embd=64 --n_head=2 --head_dim=32 "
+            f"--block_size=64 --batch_size=4 --gradient_accumulation_steps=2")
+
+
+# -----------------------------------------------------------------------------------------------
+# the run
+
+def train(cfg):
+    env = setup(cfg)
+    model_args = model_args_of(cfg)
+    init = init_weights_from(cfg, env, model_args)
+    data = load_data(cfg, env, model_args)
+    model_args["eos_id"] = data_eos_id(data.meta, model_args)  # reset_at_eos cuts where the data does
+    raw_model, optimizer = build_model(cfg, env, model_args)
+    if init is not None:
+        if env.fsdp:
+            load_full_into_sharded(raw_model, None, {"model": init})
+        else:
+            raw_model.load_state_dict(init)
+        init = None
+    prog = start_or_resume(cfg, env, data, raw_model, optimizer, model_args)
+    resumed_at = prog.iter_num if cfg["init_from"] == "resume" else None
+    model = wrap_model(raw_model, cfg, env)
+    runlog = RunLog(cfg, env, resumed_at)
+    stop = StopSignals(announce=env.master)
+    T = cfg["block_size"]
+    t_start, dt_avg, last_eval, oom = time.time(), None, resumed_at, False
+    stop.install()
     try:
+        announce(cfg, env, raw_model)
+        check_cpu_speed(raw_model, cfg, env)
         while True:
-            final = iter_num >= cfg["max_iters"]
-            if (iter_num % cfg["eval_interval"] == 0 or final) and iter_num != resumed_at and last_eval != iter_num:
-                last_eval = iter_num
-                val = evaluate()
-                log(f"iter {iter_num}: val loss {val:.4f}")
-                write_log({"iter": iter_num, "val_loss": val, "tokens": data_pos * T})
-                improved = val < best_val
-                best_val = min(best_val, val)
-                if iter_num > 0 and (improved or cfg["always_save_checkpoint"] or final):
-                    log(f"saved {checkpoint()}")
+            final = prog.iter_num >= cfg["max_iters"]
+            if (prog.iter_num % cfg["eval_interval"] == 0 or final) and prog.iter_num != last_eval:
+                last_eval = prog.iter_num
+                val = evaluate(raw_model, data, cfg, env)
+                env.log(f"iter {prog.iter_num}: val loss {val:.4f}")
+                runlog.write({"iter": prog.iter_num, "val_loss": val, "tokens": prog.data_pos * T})
+                improved = val < prog.best_val_loss
+                prog.best_val_loss = min(prog.best_val_loss, val)
+                if prog.iter_num > 0 and (improved or cfg["always_save_checkpoint"] or final):
+                    env.log(f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}")
             if final:
                 break
 
             t0 = time.time()
-            lr = get_lr(iter_num, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(accum):
-                x, y = get_batch(paths["train"], order.starts(data_pos, micro, rank, world, B, T), T, device)
-                # all-reduce gradients only on the last micro-step
-                with (model.no_sync() if ddp and micro < accum - 1 else nullcontext()):
-                    with autocast:
-                        _, loss = model(x, y)
-                    if iter_num + 1 in cfg["debug_nan_iters"]:
-                        loss = loss * float("nan")
-                    loss_sum += loss.detach().float()
-                    (loss / accum).backward()
-            clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
-            bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
-            flags = all_sum(torch.stack([loss_sum / accum, bad.float(),
-                                         torch.tensor(float(STOP["signal"] is not None), device=device)]))
-            loss_val, bad, stop = (flags[0] / world).item(), flags[1].item() > 0, flags[2].item() > 0
-            if bad:  # skip the update, keep the weights and optimizer state as they were
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                bad_streak += 1
-                log(f"warning: iter {iter_num + 1}: non-finite loss or gradient; update skipped "
-                    f"({bad_streak} in a row, {skipped} in total)")
-                if bad_streak >= cfg["max_bad_steps"]:
-                    good = list_checkpoints(cfg["out_dir"])
-                    raise UserError(f"aborting at iter {iter_num + 1}: {bad_streak} consecutive non-finite "
-                                    f"steps (max_bad_steps={cfg['max_bad_steps']}); last good checkpoint: "
-                                    f"{good[0] if good else 'none'}. Lower learning_rate or check the data.")
-            else:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                bad_streak = 0
-            iter_num += 1
-            data_pos += seqs_per_iter
-
+            loss, grad_norm, bad, stopping = train_step(model, raw_model, optimizer, data, cfg, env,
+                                                        prog, stop.requested)
+            if bad:
+                report_bad_step(prog, cfg, env)  # raises after max_bad_steps in a row
             dt = time.time() - t0
             dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-            if iter_num % cfg["log_interval"] == 0 or iter_num == cfg["max_iters"] or stop:
-                mfu = raw_model.estimate_mfu(B * accum, dt)
-                eta = dt_avg * (cfg["max_iters"] - iter_num)
-                gn = grad_norm.item()
-                log(f"iter {iter_num}: loss {loss_val:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} tok/s, "
-                    f"mfu {mfu * 100:.1f}%, grad {gn:.3f}, eta {fmt_time(eta)}")
-                write_log({"iter": iter_num, "loss": loss_val, "lr": lr, "tokens": data_pos * T,
-                           "tok_s": tokens_per_iter / dt, "mfu": mfu, "grad_norm": gn,
-                           "skipped": skipped, "dt": dt,
-                           **({"mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
-                              if device.type == "cuda" else {})})
-            if stop:
-                log(f"received {STOP['signal'] or 'a stop signal on another rank'} at iter {iter_num}: "
-                    f"saved {checkpoint()}; exiting")
+            if prog.iter_num % cfg["log_interval"] == 0 or prog.iter_num == cfg["max_iters"] or stopping:
+                log_step(runlog, env, raw_model, cfg, prog, loss, grad_norm, dt, dt_avg)
+            if stopping:
+                env.log(f"received {stop.name or 'a stop signal on another rank'} at iter {prog.iter_num}: "
+                        f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}; exiting")
                 break
     except torch.OutOfMemoryError:
-        if device.type != "cuda":
+        if env.device.type != "cuda":
             raise
-        oom = True  # probe below, once the traceback (and the activations it holds) is gone
+        oom = True  # handled below, once the traceback (and the activations it holds) is gone
     finally:
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-        STOP["signal"] = None
-        if tb is not None:
-            tb.close()
-        if wandb is not None:
-            wandb.finish()
+        stop.restore()
+        runlog.close()
     if oom:
-        peak = torch.cuda.max_memory_allocated(device) / 2**30
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        x = y = loss = None
-        gc.collect()
-        b = suggest_micro_batch(B, fits)
-        hint = (f"batch_size={b} fits: rerun with --batch_size={b} --gradient_accumulation_steps="
-                f"{G * B // b} (same global batch)" if b else "even batch_size=1 does not fit; "
-                "shorten block_size or shrink the model")
-        raise UserError(f"CUDA out of memory at iter {iter_num} with batch_size={B} x block_size={T} "
-                        f"per GPU (peak {peak:.1f} of {total:.1f} GiB). {hint}")
-    log(f"done at iter {iter_num} in {fmt_time(time.time() - t_start)}; best val loss {best_val:.4f}")
-    return iter_num
+        raise oom_error(model, optimizer, cfg, env, prog.iter_num)
+    env.log(f"done at iter {prog.iter_num} ({fmt_tokens(prog.data_pos * T)} tokens) in "
+            f"{fmt_time(time.time() - t_start)}; best val loss {prog.best_val_loss:.4f}")
+    return prog.iter_num
 
 
 def main(argv):
+    if "-h" in argv or "--help" in argv:
+        rest = [a for a in argv if a not in ("-h", "--help")]
+        try:
+            cfg = parse_config(rest)
+        except UserError as e:
+            print(f"train.py: error: {e}", file=sys.stderr)
+            cfg, rest = None, []
+        print(help_text(cfg, [a for a in rest if not a.startswith("-")]), end="")
+        return 0
+    who = f" [rank {os.environ['RANK']}]" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         train(parse_config(argv))
+        code = 0
     except UserError as e:
-        who = f" [rank {os.environ['RANK']}]" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
         print(f"train.py{who}: error: {e}", file=sys.stderr)
         code = 2
-    else:
-        code = 0
+    except StopNow as e:
+        print(f"train.py{who}: stopped at once by a second {e}; nothing saved since the last checkpoint",
+              file=sys.stderr)
+        code = 128 + e.signum
     if dist.is_initialized():
         dist.destroy_process_group()
     return code

@@ -20,6 +20,7 @@ prefill_s; date, GPU, versions) after every row, a plot next to it (.png, matplo
 prints a table. About 3 minutes on one H200.
 """
 import argparse
+import io
 import json
 import os
 import platform
@@ -32,7 +33,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from model import Model, ModelConfig, cuda_graph, sample_next  # noqa: E402
-from train import atomic_write, model_args_of, parse_config  # noqa: E402
+from checkpoint import atomic_write  # noqa: E402
+from settings import model_args_of, parse_config  # noqa: E402
 
 MODELS = ("gdn", "prism", "hybrid", "transformer")
 
@@ -117,9 +119,9 @@ def plot(rows, path, gpu):
         ax.legend()
     fig.suptitle(f"130M decoding, bf16, CUDA graphs ({gpu})")
     fig.tight_layout()
-    tmp = f"{path}.tmp.{os.getpid()}.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
+    atomic_write(path, buf.getvalue())
 
 
 def main(argv=None):

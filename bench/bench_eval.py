@@ -34,7 +34,8 @@ import torch  # noqa: E402
 
 from eval.lm_eval import PrismLM  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
-from train import atomic_write, model_args_of, parse_config  # noqa: E402
+from checkpoint import atomic_write  # noqa: E402
+from settings import model_args_of, parse_config  # noqa: E402
 
 BASE_TINY = dict(n_layer=2, n_embd=64, n_head=2, head_dim=16, expand_v=2.0, vocab_size=512,
                  block_size=256, solver_rank=16)

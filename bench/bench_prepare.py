@@ -35,6 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkpoint import atomic_write  # noqa: E402
 from realtext_corpus import fortune_cookies  # noqa: E402
 SCRIPT = os.path.join(ROOT, "data", "prepare_slimpajama.py")
 
@@ -181,10 +182,7 @@ def main():
         "corpus": {"sources": used, "documents": len(docs), "characters": chars, "jsonl_zst_mb": round(zst_mb, 2)},
         "single_process": sp, "runs": runs,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
+    atomic_write(args.out, json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import Model, ModelConfig  # noqa: E402
-from train import atomic_write, model_args_of, parse_config  # noqa: E402
+from checkpoint import atomic_write  # noqa: E402
+from settings import model_args_of, parse_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"gdn": "config/gdn_130m.py", "prism": "config/prism_130m.py", "hybrid": "config/hybrid_130m.py"}

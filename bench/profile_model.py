@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import FLA, SUITE, checkpointing, fla_peer, peer_params, suite_config  # noqa: E402
+from checkpoint import atomic_write  # noqa: E402
 from model import PEAK_FLOPS, Model, training_flops_per_token  # noqa: E402
 
 CATEGORIES = ["matmuls", "recurrence kernels", "conv", "attention", "norms", "loss", "optimizer",
@@ -184,9 +185,7 @@ def main():
         del m
         torch.cuda.empty_cache()
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write("\n\n".join(report_) + "\n")
+        atomic_write(a.out, "\n\n".join(report_) + "\n")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from checkpoint import atomic_write  # noqa: E402
 
 MAN_PACKAGES = ["manpages", "manpages-dev", "perl-doc", "git-man", "libssl-doc"]
 INFO_PACKAGES = ["bash-doc", "coreutils", "debian-policy", "developers-reference", "diffutils",
@@ -496,11 +498,7 @@ def write_shards(docs, out, shard_chars=32_000_000):
     paths = []
     for i, lines in enumerate(shards):
         path = os.path.join(out, f"realtext_{i:03d}.jsonl.zst")
-        with open(path + ".tmp", "wb") as f:
-            f.write(zstandard.ZstdCompressor(level=3).compress("".join(lines).encode("utf-8")))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        atomic_write(path, zstandard.ZstdCompressor(level=3).compress("".join(lines).encode("utf-8")))
         paths.append(path)
     return paths
 
@@ -541,11 +539,7 @@ def update_record(path, updates):
         with open(path) as f:
             rec = json.load(f)
     rec.update(updates)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(rec, f, indent=1)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    atomic_write(path, json.dumps(rec, indent=1) + "\n")
 
 
 def prepared_record(d):

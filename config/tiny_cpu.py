@@ -1,11 +1,10 @@
 # Tiny PRISM for demos on a CPU: runs end to end in about a minute, no model hub.
-# Data: any small text through the data script, e.g. the English docs that ship with Python:
-#   python -c "from pydoc_data.topics import topics; open('pydoc.txt','w').write('\n\n'.join(topics.values()))"
-#   python data/prepare_slimpajama.py --data_files pydoc.txt --tokens all --val_tokens all --val_fraction 0.05 --out_dir data/tiny
 #   python train.py config/tiny_cpu.py
+# Data: the first run builds data/pydoc/ from the English documentation that ships inside every
+# Python install (pydoc_data, ~0.5 MB) through data/prepare_slimpajama.py; later runs reuse it.
 # Mistral vocab (32000) so that the prepared data fits; the token table is most of the 2.2M weights.
 out_dir = "out/tiny_cpu"
-dataset = "tiny"
+dataset = "pydoc"
 
 mixer = "prism"
 n_layer = 2

@@ -73,6 +73,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+from checkpoint import atomic_write  # noqa: E402  (torch-free: the spawned workers import this file)
 from tokenizer import Tokenizer, load_tokenizer, _hub_reachable as hub_reachable  # noqa: E402
 
 SLIMPAJAMA = "cerebras/SlimPajama-627B"
@@ -384,15 +385,6 @@ def encode_task(task):
 # -------------------------------------------------------------------------------------------------
 # main process
 
-def write_json_atomic(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def plan_streams(a):
     """The ordered list of streams: (split, kind, spec), split in 'val' | 'train' | 'mixed'."""
     if a.data_files:
@@ -523,7 +515,7 @@ class Output:
         for f in self.fh.values():
             f.flush()
             os.fsync(f.fileno())
-        write_json_atomic(self.progress, self.st)
+        atomic_write(self.progress, json.dumps(self.st, indent=2))
 
     def full(self, s):
         return self.budget[s] is not None and self.st["tokens"][s] >= self.budget[s]
@@ -570,7 +562,7 @@ class Output:
             os.remove(meta_path)  # a stale meta.json must not describe the new bins
         for s in ("val", "train"):
             os.replace(os.path.join(self.dir, f"{s}.bin.tmp"), os.path.join(self.dir, f"{s}.bin"))
-        write_json_atomic(meta_path, meta)
+        atomic_write(meta_path, json.dumps(meta, indent=2))
         os.remove(self.progress)
 
 

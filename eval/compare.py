@@ -18,6 +18,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from checkpoint import atomic_write  # noqa: E402
+
 # (header, lm-eval task, lm-eval metric key, is_accuracy)
 COLUMNS = [
     ("Wiki PPL", "wikitext", "word_perplexity,none", False),
@@ -94,12 +97,7 @@ def main(argv=None):
     table = results_table(rows)
     sys.stdout.write(table)
     if args.output:
-        tmp = args.output + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(table)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, args.output)
+        atomic_write(args.output, table)
     return table
 
 

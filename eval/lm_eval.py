@@ -60,7 +60,7 @@ from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from eval.compare import results_table  # noqa: E402
-from train import atomic_write  # noqa: E402
+from checkpoint import atomic_write  # noqa: E402
 
 DEFAULT_TASKS = ["wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy",
                  "arc_challenge", "boolq", "openbookqa", "sciq"]
@@ -84,8 +84,8 @@ class PrismLM(TemplateLM):
         if model is None:
             if ckpt is None:
                 raise ValueError("PrismLM needs a model or a ckpt path")
-            from sample import load_checkpoint
-            model, _ = load_checkpoint(ckpt, device, backend=backend)
+            from checkpoint import load_model
+            model, _ = load_model(ckpt, device, backend=backend)
         if tokenizer is None:
             from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
             from tokenizer import load_tokenizer

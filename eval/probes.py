@@ -105,7 +105,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from model import Model, ModelConfig, ShortConv  # noqa: E402
-from train import atomic_write  # noqa: E402
+from checkpoint import atomic_write  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # token layout

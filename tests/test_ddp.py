@@ -12,6 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 from test_train import TINY, make_dataset, read_log  # noqa: E402
 
@@ -55,7 +56,7 @@ def test_ddp_matches_single_process_and_resumes(tmp_path):
     assert len(vals2) == len(vals1) == 3 and vals2 == pytest.approx(vals1, rel=1e-5)
     ckpt = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=True)
     assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2 and ckpt["data_pos"] == 6 * 16
-    assert len(train.list_checkpoints(tmp_path / "two")) == 2  # 3, 6
+    assert len(checkpoint.list_checkpoints(tmp_path / "two")) == 2  # 3, 6
 
 
 def test_ddp_rejects_accumulation_not_divisible_by_world(tmp_path, monkeypatch, capsys):
@@ -66,3 +67,54 @@ def test_ddp_rejects_accumulation_not_divisible_by_world(tmp_path, monkeypatch, 
     assert train.main(TINY + [f"--data_dir={data}", "--dataset=pat", f"--out_dir={tmp_path / 'o'}",
                               "--gradient_accumulation_steps=3", "--max_iters=2"]) == 2
     assert "gradient_accumulation_steps=3 (global) is not divisible by the world size 2" in capsys.readouterr().err
+
+
+def children(pid):
+    """Child process ids of pid (Linux /proc): torchrun starts its workers in sessions of their own."""
+    kids = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:  # the field after the name is the state, then ppid
+                    kids.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass  # gone since the listing
+    return kids
+
+
+def test_preempted_ddp_run_saves(tmp_path):
+    """SLURM-style preemption: SIGTERM to every process of the job, torchrun and its workers. Each
+    worker gets it twice (once directly, once forwarded by torchrun a moment later), which must
+    count as one request: the step finishes and rank 0 saves. Micro-steps are slowed (a hook this
+    test injects) so that the workers sit in a sleep, where each signal runs its handler at once
+    instead of coalescing with the next."""
+    import signal
+    from test_train import wait_for_iter
+    data = make_dataset(tmp_path / "data")
+    out = tmp_path / "pre"
+    script = tmp_path / "slow_train.py"
+    script.write_text(f"import sys, time\nsys.path.insert(0, {str(ROOT)!r})\nimport train\n"
+                      "real = train.forward_loss\n"
+                      "train.forward_loss = lambda *a: (time.sleep(0.5), real(*a))[1]\n"
+                      "sys.exit(train.main(sys.argv[1:]))\n")
+    argv = TINY + [f"--data_dir={data}", "--dataset=pat", f"--out_dir={out}", "--max_iters=100000",
+                   "--eval_interval=100000"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(script), *argv]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        wait_for_iter(out, 2, proc, timeout=240)
+        workers = children(proc.pid)
+        assert len(workers) == 2
+        for pid in [proc.pid, *workers]:
+            os.kill(pid, signal.SIGTERM)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "received SIGTERM at iter" in text, text
+    assert "stopped at once" not in text, text
+    stopped = max(read_log(out)[0])
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == stopped and ckpt["world_size"] == 2

@@ -152,6 +152,7 @@ def reset_case(model, sizes):
     both rows with the EOS replaced (no reset), idx)."""
     idx = tokens(length=14, seed=5, no_eos=True)
     idx[0, 7] = EOS
+    idx = idx.to(model.wte.weight.device)
     with torch.no_grad():
         got = run_pieces(model, idx, sizes)
         fresh = run_pieces(model, idx[:1, 7:], [1] * 7)

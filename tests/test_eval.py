@@ -395,11 +395,11 @@ def _save_ckpt(path, model, prefix="_orig_mod."):
 
 
 def test_checkpoint_loading_and_errors(tmp_path):
-    from sample import load_checkpoint
+    from checkpoint import load_model
     model = tiny_model()
     p = tmp_path / "ckpt.pt"
     _save_ckpt(p, model)
-    loaded, meta = load_checkpoint(str(p))
+    loaded, meta = load_model(str(p))
     assert meta["iter_num"] == 7 and "model" not in meta
     loaded.chunk_size = model.chunk_size  # a run-time choice, not saved: same chunks, same bits
     x = torch.randint(0, TOK.vocab_size, (2, 9))
@@ -410,11 +410,11 @@ def test_checkpoint_loading_and_errors(tmp_path):
         pytest.approx(direct_ll(model, "ab", " c")[0], abs=1e-5)
 
     with pytest.raises(FileNotFoundError):
-        load_checkpoint(str(tmp_path / "nope.pt"))
+        load_model(str(tmp_path / "nope.pt"))
     bad = tmp_path / "corrupt.pt"
     bad.write_bytes(p.read_bytes()[:1000])
     with pytest.raises(ValueError, match="corrupt"):
-        load_checkpoint(str(bad))
+        load_model(str(bad))
     ck = torch.load(p, weights_only=True)
     for name, edit, msg in [
         ("unknown_arg", lambda c: c["model_args"].update(n_layerz=3), "model_args"),
@@ -427,7 +427,7 @@ def test_checkpoint_loading_and_errors(tmp_path):
         edit(c)
         torch.save(c, tmp_path / f"{name}.pt")
         with pytest.raises(ValueError, match=msg):
-            load_checkpoint(str(tmp_path / f"{name}.pt"))
+            load_model(str(tmp_path / f"{name}.pt"))
     assert ck["iter_num"] == 7
 
 

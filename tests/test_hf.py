@@ -9,7 +9,7 @@ Checked, on GDN, PRISM, hybrid and transformer checkpoints exported to directori
   * lm-eval's own `hf` model gives eval/'s loglikelihoods and perplexities (local tasks);
   * the directory loads in a fresh interpreter without this repo, names no import that a
     hub download would fail on, and survives save_pretrained;
-  * the other direction (load_exported, sample.load_checkpoint, PrismLM on a directory);
+  * the other direction (load_exported, checkpoint.load_model, PrismLM on a directory);
   * bad input: clear errors naming the file, no half-written or leftover directories.
 """
 import dataclasses
@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import export_hf  # noqa: E402
 from export_hf import CHECK_TEXTS, export, load_exported, read_exported  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
-from sample import load_checkpoint  # noqa: E402  (may move to checkpoint.py)
+from checkpoint import load_model  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -484,7 +484,7 @@ def test_load_exported_gives_the_checkpoint_back(exports, variant):
     # train.py --init_from: a fresh Model of these args takes the weights
     fresh = Model(ModelConfig(**args))
     fresh.load_state_dict(back.state_dict())
-    m2, meta = load_checkpoint(path)  # sample.py / eval/ read a directory as a checkpoint
+    m2, meta = load_model(path)  # sample.py / eval/ read a directory as a checkpoint
     assert meta["data_meta"]["tokenizer_sha256"] == TOK.sha256
     assert export_hf.exported_tokenizer(path) == os.path.join(path, "tokenizer.model")
     assert export_hf.exported_tokenizer(ckpt) is None
@@ -591,7 +591,7 @@ def test_read_exported_errors_name_the_file(exports, tmp_path):
         read_exported(str(d))
     os.remove(d / "model.safetensors")
     with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
-        load_checkpoint(str(d))
+        load_model(str(d))
     os.remove(d / "config.json")
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_exported(str(d))
@@ -626,3 +626,26 @@ def test_cuda_export_runs_the_triton_kernels(exports):
         p = ids[:1, :8]
         greedy_rows_match(hf.generate(p, max_new_tokens=16, do_sample=False),
                           ref.generate(p, 16, temperature=0), 8, TOK.eos_id, TOK.sp.unk_id())
+
+
+def test_train_py_fine_tunes_an_exported_directory(exports, tmp_path, capsys):
+    """train.py --init_from=<exported dir>: a model from the hub trains here, from its weights."""
+    import numpy as np
+    import train
+    ckpt, path, model = exports["prism"]
+    d = tmp_path / "data" / "toy"
+    d.mkdir(parents=True)
+    ids = np.random.default_rng(0).integers(0, 500, 4000).astype(np.uint16)
+    ids[:3000].tofile(d / "train.bin")
+    ids[3000:].tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 32000, "tokenizer": TOK.name,
+                                             "tokenizer_sha256": TOK.sha256, "eos_id": TOK.eos_id}))
+    argv = [f"--init_from={path}", f"--data_dir={tmp_path / 'data'}", "--dataset=toy",
+            f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--dtype=float32", "--max_iters=1",
+            "--eval_interval=1", "--eval_iters=1", "--batch_size=2", "--gradient_accumulation_steps=1",
+            f"--block_size={BLOCK}", "--n_layer=5"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"initialising from {path}" in out and "n_layer=2 (config had 5)" in out
+    saved = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    assert saved["model_args"]["n_layer"] == 2 and saved["iter_num"] == 1

@@ -16,6 +16,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import checkpoint  # noqa: E402
+import settings  # noqa: E402
 import train  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 
@@ -107,47 +109,100 @@ def reference(data, tmp_path_factory):
 # ------------------------------------------------------------------------------ config
 
 def test_unknown_key_lists_valid_keys(tmp_path):
-    with pytest.raises(train.UserError, match="unknown config key 'bogus'") as e:
-        train.parse_config(["--bogus=1"])
+    with pytest.raises(settings.UserError, match="unknown config key 'bogus'") as e:
+        settings.parse_config(["--bogus=1"])
     assert "batch_size" in str(e.value) and "solver_steps" in str(e.value)
     cfg_file = tmp_path / "c.py"
     cfg_file.write_text("import math\nlearning_rate = math.sqrt(1e-6)\nn_layers = 3\n")
-    with pytest.raises(train.UserError, match="unknown config key 'n_layers'.*c.py"):
-        train.parse_config([str(cfg_file)])
-    with pytest.raises(train.UserError, match="not found"):
-        train.parse_config([str(tmp_path / "missing.py")])
+    with pytest.raises(settings.UserError, match="unknown config key 'n_layers'.*c.py"):
+        settings.parse_config([str(cfg_file)])
+    with pytest.raises(settings.UserError, match="not found"):
+        settings.parse_config([str(tmp_path / "missing.py")])
 
 
 def test_bad_types_rejected_and_good_ones_coerced():
-    with pytest.raises(train.UserError, match="'batch_size' expects int"):
-        train.parse_config(["--batch_size=abc"])
-    with pytest.raises(train.UserError, match="'compile' expects bool"):
-        train.parse_config(["--compile=1"])
-    with pytest.raises(train.UserError, match="'learning_rate' expects float"):
-        train.parse_config(["--learning_rate=fast"])
-    with pytest.raises(train.UserError, match="init_from"):
-        train.parse_config(["--init_from=latest"])
-    cfg = train.parse_config(["--learning_rate=1", "--attn_layers=5,11", "--compile=True",
+    with pytest.raises(settings.UserError, match="'batch_size' expects int"):
+        settings.parse_config(["--batch_size=abc"])
+    with pytest.raises(settings.UserError, match="'compile' expects bool"):
+        settings.parse_config(["--compile=1"])
+    with pytest.raises(settings.UserError, match="'learning_rate' expects float"):
+        settings.parse_config(["--learning_rate=fast"])
+    with pytest.raises(settings.UserError, match="init_from"):
+        settings.parse_config(["--init_from=latest"])
+    cfg = settings.parse_config(["--learning_rate=1", "--attn_layers=5,11", "--compile=True",
                               "--backend=naive", "--dataset=2024"])
-    assert cfg["dataset"] == "2024" and train.parse_config(["--backend=None"])["backend"] is None
+    assert cfg["dataset"] == "2024" and settings.parse_config(["--backend=None"])["backend"] is None
     assert cfg["learning_rate"] == 1.0 and isinstance(cfg["learning_rate"], float)
     assert cfg["attn_layers"] == (5, 11) and cfg["compile"] is True and cfg["backend"] == "naive"
+
+
+def test_help_lists_every_key_with_its_default_and_meaning(capsys):
+    for flag in ("--help", "-h"):
+        assert run([flag]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith("usage: python train.py")
+        lines = {ln.split()[0]: ln for ln in text.splitlines() if ln.startswith("  --")}
+        for key, default in settings.DEFAULTS.items():
+            line = lines[f"--{key}={settings._show(default)}"]
+            assert len(line.split(None, 1)) == 2, f"{key} has no meaning in --help"
+        assert "peak learning rate" in lines["--learning_rate=0.003"]
+        assert "1 = GDN exactly" in lines["--solver_steps=3"]
+    # with a config file: the values it sets
+    assert run([str(ROOT / "config/tiny_cpu.py"), "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--n_layer=2 " in text and "after " in text and "tiny_cpu.py" in text
+
+
+def test_near_miss_key_says_did_you_mean(tmp_path, capsys):
+    with pytest.raises(settings.UserError, match="did you mean --learning_rate"):
+        settings.parse_config(["--lerning_rate=1e-3"])
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("n_layers = 3\n")
+    with pytest.raises(settings.UserError, match="did you mean 'n_layer'"):
+        settings.parse_config([str(cfg_file)])
+    assert run(["--gradient_acumulation_steps=4"]) == 2
+    assert "did you mean --gradient_accumulation_steps?" in capsys.readouterr().err
+    with pytest.raises(settings.UserError, match="unknown option '-x'"):
+        settings.parse_config(["-x"])
+
+
+@pytest.mark.parametrize("flag, why", [
+    ("--max_iters=-5", "max_iters=-5: must be >= 1"),
+    ("--max_iters=0", "max_iters=0: must be >= 1"),
+    ("--batch_size=0", "batch_size=0: must be >= 1"),
+    ("--gradient_accumulation_steps=0", "gradient_accumulation_steps=0: must be >= 1"),
+    ("--eval_interval=0", "eval_interval=0: must be >= 1"),
+    ("--learning_rate=-0.001", "learning_rate=-0.001: must be >= 0"),
+    ("--beta2=1.5", "beta2=1.5: must be in [0, 1)"),
+    ("--keep_checkpoints=0", "keep_checkpoints=0: must be >= 1"),
+])
+def test_invalid_values_refused_at_start_up(data, tmp_path, capsys, flag, why):
+    out = tmp_path / "o"
+    assert run(args(data, out, "--max_iters=2", flag)) == 2
+    assert why in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written
+
+
+def test_invalid_values_reported_together():
+    with pytest.raises(settings.UserError) as e:
+        settings.parse_config(["--max_iters=-5", "--batch_size=0", "--min_lr=-1"])
+    assert all(w in str(e.value) for w in ("max_iters=-5", "batch_size=0", "min_lr=-1.0"))
 
 
 def test_config_files_build_the_stated_models():
     counts = {}
     for f in sorted((ROOT / "config").glob("*.py")):
-        cfg = train.parse_config([str(f)])
+        cfg = settings.parse_config([str(f)])
         with torch.device("meta"):
-            counts[f.stem] = Model(ModelConfig(**train.model_args_of(cfg))).num_params(non_embedding=False)
+            counts[f.stem] = Model(ModelConfig(**settings.model_args_of(cfg))).num_params(non_embedding=False)
         if f.stem.endswith("130m"):
             assert (cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"], cfg["block_size"]) == (768, 12, 32000, 2048)
             tokens = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"]
             assert tokens == 524288 and abs(tokens * cfg["max_iters"] - 2e9) < tokens
     assert abs(counts["gdn_130m"] - 130e6) <= 10e6
     assert counts["gdn_130m"] < counts["prism_130m"] <= 1.1 * counts["gdn_130m"]
-    assert train.parse_config([str(ROOT / "config/hybrid_130m.py")])["attn_layers"] == (5, 11)
-    assert train.parse_config([str(ROOT / "config/transformer_130m.py")])["mixer"] == "attention"
+    assert settings.parse_config([str(ROOT / "config/hybrid_130m.py")])["attn_layers"] == (5, 11)
+    assert settings.parse_config([str(ROOT / "config/transformer_130m.py")])["mixer"] == "attention"
     assert counts["tiny_cpu"] < 5e6
 
 
@@ -227,7 +282,7 @@ def test_kill9_then_resume_matches(reference, data, tmp_path):
     wait_for_iter(out, 7, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert train.list_checkpoints(out)
+    assert checkpoint.list_checkpoints(out)
     assert run(args(data, out, "--max_iters=10", "--eval_interval=3", "--init_from=resume")) == 0
     losses, _ = read_log(out)
     assert sorted(losses) == list(range(1, 11))
@@ -241,7 +296,8 @@ def test_sigterm_saves_and_exits_zero(data, tmp_path):
     proc.send_signal(signal.SIGTERM)
     text, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, text
-    assert "received SIGTERM" in text
+    assert "received SIGTERM: will save a checkpoint after the current step" in text  # said at once
+    assert "received SIGTERM at iter" in text                                          # then done
     losses, _ = read_log(out)
     stopped = max(losses)
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
@@ -250,29 +306,176 @@ def test_sigterm_saves_and_exits_zero(data, tmp_path):
     assert sorted(read_log(out)[0]) == list(range(1, stopped + 3))
 
 
-def test_corrupt_latest_checkpoint_falls_back(reference, data, tmp_path, capsys):
+def spawn_slow(argv, seconds):
+    """train.py in a subprocess whose every micro-step takes `seconds` longer (a hook the test
+    injects by wrapping train.forward_loss), so that signals land mid-step."""
+    code = ("import sys, time, train\n"
+            "real = train.forward_loss\n"
+            f"train.forward_loss = lambda *a: (time.sleep({seconds}), real(*a))[1]\n"
+            "sys.exit(train.main(sys.argv[1:]))\n")
+    return subprocess.Popen([sys.executable, "-u", "-c", code, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def read_until(proc, text, timeout=120):
+    seen, t0 = [], time.time()
+    while time.time() - t0 < timeout:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"never printed {text!r}:\n{''.join(seen)}")
+
+
+def test_second_signal_stops_at_once_without_saving(data, tmp_path):
+    out = tmp_path / "term2"
+    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=3)
+    read_until(proc, "global batch")
+    time.sleep(0.5)  # inside the first step (6 s long)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    read_until(proc, "will save a checkpoint after the current step")
+    time.sleep(1.5)  # a deliberate second signal, not the launcher's echo of the first
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, text
+    assert "stopped at once by a second SIGTERM; nothing saved since the last checkpoint" in text
+    assert time.time() - t0 < 5.5  # did not wait for the step to end
+    assert not list(out.glob("ckpt*"))
+
+
+def test_repeated_signal_within_a_second_is_one_request(data, tmp_path):
+    """torchrun and SLURM signal the workers as well as themselves: one stop arrives twice."""
+    out = tmp_path / "term3"
+    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=1)
+    read_until(proc, "global batch")
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, text
+    assert "received SIGINT at iter 1: saved" in text
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 1
+
+
+RESUME = train.RESUME_KEYS
+
+
+def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(reference, data, tmp_path, capsys):
     ref_dir, ref = reference
     out = tmp_path / "corrupt"
     shutil.copytree(ref_dir, out, symlinks=True)
     latest = out / "ckpt_0000010.pt"
     raw = latest.read_bytes()
     latest.write_bytes(raw[: len(raw) // 2])  # truncated
-    path, ckpt = train.load_latest_checkpoint(out)
+    path, ckpt = checkpoint.load_latest_checkpoint(out, RESUME, log=print)
     assert path.endswith("ckpt_0000009.pt") and ckpt["iter_num"] == 9
-    assert "ckpt_0000010.pt is unusable" in capsys.readouterr().out
+    assert "ckpt_0000010.pt is unusable (sha256 does not match" in capsys.readouterr().out
+    # moved aside with its digest: never listed, resumed from or rotated again
+    assert (out / "ckpt_0000010.pt.corrupt").read_bytes() == raw[: len(raw) // 2]
+    assert (out / "ckpt_0000010.pt.sha256.corrupt").exists() and not latest.exists()
+    assert checkpoint.list_checkpoints(out)[0].endswith("ckpt_0000009.pt")
+    assert os.path.realpath(out / "ckpt.pt") == str(out / "ckpt_0000009.pt")  # the link follows
     # same size, flipped bytes: caught by the sha256 written beside it
     flipped = bytearray(raw)
     flipped[len(raw) // 2: len(raw) // 2 + 8] = bytes(8)
     latest.write_bytes(bytes(flipped))
-    assert train.load_latest_checkpoint(out)[0].endswith("ckpt_0000009.pt")
+    os.replace(str(latest) + ".sha256.corrupt", str(latest) + ".sha256")
+    assert checkpoint.load_latest_checkpoint(out, RESUME)[0].endswith("ckpt_0000009.pt")
+    assert not latest.exists()
     # no digest file: torch's own zip check still refuses the truncated file
     latest.write_bytes(raw[: len(raw) // 2])
-    os.remove(str(latest) + ".sha256")
-    assert train.load_latest_checkpoint(out)[0].endswith("ckpt_0000009.pt")
+    assert checkpoint.load_latest_checkpoint(out, RESUME)[0].endswith("ckpt_0000009.pt")
     # end to end: resume falls back to iter 9 and recomputes iter 10 exactly
+    latest.write_bytes(raw[: len(raw) // 2])
+    shutil.copy(out / "ckpt_0000009.pt.sha256", str(latest) + ".sha256")  # a digest that does not match
     assert run(args(data, out, "--max_iters=10", "--eval_interval=3", "--init_from=resume")) == 0
     assert "falling back to" in capsys.readouterr().out
     assert read_log(out)[0][10]["loss"] == ref[10]
+    assert checkpoint.verify(str(latest))  # iter 10 written again, whole
+
+
+def test_rotation_keeps_the_good_checkpoint(reference, data, tmp_path):
+    """keep_checkpoints=2 with a truncated newest: resuming falls back to the one before it, and
+    the next rotation must delete neither that good one nor count the corrupt one."""
+    ref_dir, ref = reference
+    out = tmp_path / "rot"
+    assert run(args(data, out, "--max_iters=10", "--eval_interval=3", "--keep_checkpoints=2")) == 0
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000010.pt", "ckpt_0000009.pt"]
+    latest = out / "ckpt_0000010.pt"
+    latest.write_bytes(latest.read_bytes()[:-100])
+    assert run(args(data, out, "--max_iters=12", "--eval_interval=3", "--keep_checkpoints=2",
+                    "--init_from=resume")) == 0
+    names = [os.path.basename(p) for p in checkpoint.list_checkpoints(out)]
+    assert names == ["ckpt_0000012.pt", "ckpt_0000009.pt"], names
+    assert (out / "ckpt_0000010.pt.corrupt").exists()
+    assert read_log(out)[0][10]["loss"] == ref[10]
+
+
+def test_rotation_deletes_only_what_is_older_than_the_newest_verified(tmp_path):
+    out = str(tmp_path)
+    for it in (1, 2):
+        checkpoint.save_checkpoint(out, {"iter_num": it, "w": torch.zeros(3)}, keep=1)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000002.pt"]
+    # a newer checkpoint with no digest (copied in, or from an older version) is not verified:
+    # keep=1 must not delete the verified one behind it
+    torch.save({"iter_num": 3}, tmp_path / "ckpt_0000003.pt")
+    checkpoint.rotate(out, keep=1)
+    assert len(checkpoint.list_checkpoints(out)) == 2
+    # a newer one whose digest does not match is moved aside and not counted
+    checkpoint.save_checkpoint(out, {"iter_num": 4, "w": torch.ones(3)}, keep=3)
+    (tmp_path / "ckpt_0000004.pt").write_bytes(b"junk")
+    checkpoint.rotate(out, keep=1)
+    assert (tmp_path / "ckpt_0000004.pt.corrupt").exists()
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000003.pt", "ckpt_0000002.pt"]
+    # once the newest is verified, keep=1 leaves it alone
+    checkpoint.save_checkpoint(out, {"iter_num": 5, "w": torch.ones(3)}, keep=1)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(out)] == ["ckpt_0000005.pt"]
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt_0000004.pt.corrupt", "ckpt_0000004.pt.sha256.corrupt",
+                                       "ckpt_0000005.pt", "ckpt_0000005.pt.sha256"]
+
+
+def test_checkpoint_without_digest_loads_with_a_warning(reference, tmp_path, capsys):
+    ref_dir, _ = reference
+    src = ref_dir / "ckpt_0000010.pt"
+    p = tmp_path / "ckpt_0000010.pt"
+    raw = bytearray(src.read_bytes())
+    i = raw.index(b"data/0") + 200  # inside the first tensor's bytes: torch's zip reader does not notice
+    raw[i:i + 4] = b"\xff\xff\xff\x7f"
+    p.write_bytes(bytes(raw))
+    ckpt = checkpoint.load_checkpoint(str(p), RESUME)
+    assert ckpt["iter_num"] == 10
+    err = capsys.readouterr().err
+    assert f"warning: {p} has no sha256 beside it" in err and "loaded without verification" in err
+    # with the digest of the original beside it, the same bytes are refused
+    shutil.copy(str(src) + ".sha256", str(p) + ".sha256")
+    with pytest.raises(checkpoint.CheckpointError, match="sha256 does not match"):
+        checkpoint.load_checkpoint(str(p), RESUME)
+    # ckpt.pt (a link) is checked against the digest of the file it points to
+    assert checkpoint.load_checkpoint(str(ref_dir / "ckpt.pt"), RESUME)["iter_num"] == 10
+    assert "without verification" not in capsys.readouterr().err
+
+
+def test_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    p = tmp_path / "sub" / "f.json"
+    checkpoint.atomic_write(str(p), "one")
+    checkpoint.atomic_write(str(p), b"two")
+    assert p.read_text() == "two" and os.listdir(p.parent) == ["f.json"]
+
+    def boom(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.atomic_write(str(p), "three")
+    assert p.read_text() == "two" and os.listdir(p.parent) == ["f.json"]
+
+
+def test_checkpoint_module_imports_without_torch():
+    """Data preparation's spawned workers import it: torch must not come with it."""
+    code = "import sys, checkpoint; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 def test_resume_refuses_changed_model_or_tokenizer(reference, data, tmp_path, capsys):
@@ -295,12 +498,27 @@ def test_resume_refuses_changed_model_or_tokenizer(reference, data, tmp_path, ca
 
 # ------------------------------------------------------------------------------ faults
 
-def test_nan_step_skipped_then_abort(data, tmp_path, capsys):
+def poison(monkeypatch, iters, accum=2):
+    """Make the loss (and so the gradient) NaN at these iterations (1-based, as logged) of a fresh
+    run with `accum` micro-steps, by wrapping train.forward_loss: a hook the test injects, not a
+    config key."""
+    calls = []
+
+    def forward_loss(model, x, y):
+        calls.append(1)
+        loss = real(model, x, y)
+        return loss * float("nan") if (len(calls) - 1) // accum + 1 in iters else loss
+    real = train.forward_loss
+    monkeypatch.setattr(train, "forward_loss", forward_loss)
+
+
+def test_nan_step_skipped_then_abort(data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "nan"
     # optional loggers on: without their packages (or network) they only warn
     loggers = [f"--{k}=True" for k in ("wandb_log", "tensorboard_log")
                if importlib.util.find_spec(k.split("_")[0]) is None]
-    assert run(args(data, out, "--max_iters=6", "--eval_interval=100", "--debug_nan_iters=[2]", *loggers)) == 0
+    poison(monkeypatch, {2})
+    assert run(args(data, out, "--max_iters=6", "--eval_interval=100", *loggers)) == 0
     losses, _ = read_log(out)
     assert losses[1]["skipped"] == 0 and losses[2]["skipped"] == 1 and losses[6]["skipped"] == 1
     assert all(np.isfinite(losses[i]["loss"]) for i in (1, 3, 4, 5, 6)) and losses[2]["loss"] is None
@@ -314,11 +532,68 @@ def test_nan_step_skipped_then_abort(data, tmp_path, capsys):
         assert f"{flag[2:].split('_')[0]} disabled" in printed
 
     out2 = tmp_path / "nan2"
-    assert run(args(data, out2, "--max_iters=20", "--eval_interval=3", "--max_bad_steps=3",
-                    "--debug_nan_iters=[4,5,6,7]")) == 2
+    poison(monkeypatch, {4, 5, 6, 7})
+    assert run(args(data, out2, "--max_iters=20", "--eval_interval=3", "--max_bad_steps=3")) == 2
     err = capsys.readouterr().err
     assert "aborting at iter 6: 3 consecutive non-finite steps" in err and "ckpt_0000003.pt" in err
-    assert train.list_checkpoints(out2)[0].endswith("ckpt_0000003.pt")
+    assert checkpoint.list_checkpoints(out2)[0].endswith("ckpt_0000003.pt")
+
+
+def test_no_test_hook_in_the_config():
+    assert "debug_nan_iters" not in settings.DEFAULTS
+    with pytest.raises(settings.UserError, match="unknown config key 'debug_nan_iters'"):
+        settings.parse_config(["--debug_nan_iters=[2]"])
+
+
+def test_gpu_sized_config_on_cpu_warns_before_the_first_step(data, tmp_path, capsys, monkeypatch):
+    # the 130M config on this CPU: estimated from its FLOPs per token (model on the meta device)
+    cfg = settings.parse_config([str(ROOT / "config/prism_130m.py")])
+    env = train.Env(ddp=False, rank=0, world=1, device=torch.device("cpu"), dtype="float32")
+    with torch.device("meta"):
+        big = Model(ModelConfig(**settings.model_args_of(cfg)))
+    train.check_cpu_speed(big, cfg, env)
+    text = capsys.readouterr().out
+    assert "warning: this config is sized for a GPU" in text and "524,288 tokens" in text
+    assert "python train.py config/tiny_cpu.py" in text
+    # the tiny test config: no warning on this CPU ...
+    assert run(args(data, tmp_path / "a", "--max_iters=1")) == 0
+    assert "sized for a GPU" not in capsys.readouterr().out
+    # ... but on a CPU a million times slower, a warning before the first step
+    monkeypatch.setattr(train, "cpu_flops", lambda: 1e5)
+    assert run(args(data, tmp_path / "b", "--max_iters=1")) == 0
+    text = capsys.readouterr().out
+    assert "sized for a GPU" in text and text.index("sized for a GPU") < text.index("iter 1: loss")
+
+
+def test_token_counts_and_no_mfu_on_cpu(data, tmp_path, capsys):
+    assert [train.fmt_tokens(n) for n in (2560, 12_345_678, 999_999_999, 2_000_000_000)] == [
+        "2,560", "12.3M", "1.00B", "2.00B"]
+    assert run(args(data, tmp_path / "o", "--max_iters=10", "--eval_interval=10")) == 0
+    text = capsys.readouterr().out
+    assert "10 iters = 2,560 tokens" in text and "0.000B" not in text
+    steps = [ln for ln in text.splitlines() if ln.startswith("iter") and "loss" in ln]
+    assert len(steps) == 12 and not [ln for ln in steps if "mfu" in ln]  # a GPU's peak means nothing on a CPU
+    assert all("mfu" not in r for r in read_log(tmp_path / "o")[1])
+
+
+def test_demo_config_prepares_its_own_data(tmp_path):
+    """python train.py config/tiny_cpu.py on a machine with nothing prepared: the data is built
+    from pydoc_data under data_dir/pydoc, nothing lands in the repo root, a second run reuses it."""
+    before = sorted(os.listdir(ROOT))
+    cmd = [sys.executable, "train.py", "config/tiny_cpu.py", f"--data_dir={tmp_path / 'data'}",
+           f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2", "--eval_iters=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # tokenizer from mistral-common
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "preparing it from Python's documentation" in r.stdout
+    d = tmp_path / "data" / "pydoc"
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["vocab_size"] == 32000 and meta["val_tokens"] > 1000 and meta["train_tokens"] > 20 * meta["val_tokens"]
+    assert sorted(os.listdir(d)) == ["meta.json", "pydoc.txt", "train.bin", "val.bin"]
+    assert sorted(os.listdir(ROOT)) == before
+    r = subprocess.run(cmd[:-3] + ["--max_iters=3", "--init_from=resume", "--eval_iters=1"], cwd=ROOT,
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "preparing" not in r.stdout, r.stdout + r.stderr
 
 
 def test_oom_suggestion_halves_until_it_fits():
@@ -343,3 +618,19 @@ def test_plot_writes_png(reference, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "plot.py"), str(tmp_path / "nope.jsonl")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "nope.jsonl" in r.stderr
+
+
+def test_init_from_weights_starts_a_fresh_run_from_them(reference, data, tmp_path, capsys):
+    """--init_from=<checkpoint file>: iteration 0, a new optimizer, the source's weights and its
+    architecture (a config that disagrees is overridden and told so)."""
+    ref_dir, ref = reference
+    src = ref_dir / "ckpt.pt"
+    out = tmp_path / "ft"
+    assert run(args(data, out, "--max_iters=2", "--eval_interval=2", f"--init_from={src}",
+                    "--solver_rank=4")) == 0
+    assert "its architecture replaces the config's: solver_rank=8" in capsys.readouterr().out
+    losses, recs = read_log(out)
+    assert sorted(losses) == [1, 2]
+    # the first step already sees trained weights: far below a fresh model's first loss
+    assert losses[1]["loss"] < 0.8 * ref[1], (losses[1]["loss"], ref[1])
+    assert run(args(data, tmp_path / "x", f"--init_from={tmp_path / 'missing.pt'}")) == 2
