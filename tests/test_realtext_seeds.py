@@ -179,3 +179,27 @@ def test_pipeline_tiny(tmp_path):
     os.remove(runs / "hybrid_s1" / "run.json")
     out3 = run("--lanes=2", "--seeds", "0", "1", "--phase=train")
     assert "8 runs (7 already finished)" in out3 and out3.count("start ") == 1 and "hybrid seed 1" in out3
+
+
+@pytest.mark.slow
+def test_deadline_stops_a_run_cleanly(tmp_path):
+    """A run still going at --deadline_s gets SIGTERM, stops at the end of a step and is recorded as
+    not finished (to be redone by the next call); the summary says how many finished."""
+    d = tmp_path / "data" / "realtext_seeds"
+    d.mkdir(parents=True)
+    _bin(d / "train.bin", 20000, 0)
+    _bin(d / "val.bin", 2000, 1)
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 32000, "eos_id": 2}))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "realtext_seeds.py"), "--tiny", "--lanes=1",
+                        "--models", "gdn", "--seeds", "0", "--steps=2000", "--eval_interval=100",
+                        "--deadline_s=25", f"--data={tmp_path / 'data'}", f"--runs={tmp_path / 'runs'}",
+                        f"--pack={tmp_path / 'nopack'}"],
+                       cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    st = json.loads((tmp_path / "runs" / "gdn_s0" / "run.json").read_text())
+    assert not st["finished"] and st["stopped"] == "at --deadline_s" and 0 < st["iters"] < 2000, st
+    assert st["exit_code"] == 0  # train.py stopped on its own at the end of a step
+    assert "(0 of 1 runs finished)" in p.stdout
+    res = json.loads((tmp_path / "runs" / "realtext_seeds.json").read_text())
+    assert not res["complete"] and res["rows"][0]["final_val_loss"] is None
