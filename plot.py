@@ -43,13 +43,21 @@ def smooth(ys, window):
     return out
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     p.add_argument("logs", nargs="+", help="log.jsonl files written by train.py")
     p.add_argument("--out", default="loss.png", help="output PNG")
-    p.add_argument("--x", choices=("iter", "tokens"), default="iter")
-    p.add_argument("--smooth", type=int, default=1, help="moving-average window for the train loss")
-    p.add_argument("--title", default="")
+    p.add_argument("--x", choices=("iter", "tokens"), default="iter", help="x axis: iterations or tokens (billions)")
+    p.add_argument("--smooth", type=int, default=1, help="moving-average window for the train loss (1: none)")
+    p.add_argument("--title", default="", help="plot title (default: loss)")
     a = p.parse_args(argv)
     for path in a.logs:
         if not os.path.isfile(path):

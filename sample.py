@@ -1,14 +1,15 @@
 """
 Sample from a trained model (nanoGPT's sample.py, with flags instead of exec'd overrides).
 
-    python sample.py --ckpt out/prism_130m/ckpt.pt --start "The meaning of life is" \
-        --num_samples 3 --max_new_tokens 200 --temperature 0.8 --top_k 200
+    python sample.py --ckpt out/prism_130m/ckpt.pt --start "The meaning of life is"
+    python sample.py --ckpt out/prism_130m/ckpt.pt --start FILE:prompt.txt --num_samples 1 --temperature 0
 
 --start is the prompt text, or FILE:path to read it from a file. Every sample starts with the
 document-start token (the end-of-document token that separates documents in train.bin), so an
 empty prompt samples a fresh document. Decoding runs through the model's cache: GDN/PRISM layers
 carry their state S and convolution buffers (constant memory in the length), attention layers a
-KV cache. Text is decoded with the Mistral tokenizer (tokenizer.py; --tokenizer overrides).
+KV cache. Text is decoded with the Mistral tokenizer (tokenizer.py; --tokenizer overrides). Each
+sample is printed after a line "=== sample i/n ===".
 """
 import argparse
 import sys
@@ -32,19 +33,28 @@ def read_prompt(start):
     return start
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.strip() +
+                                "\n\nRuns on a CUDA GPU when there is one, else on the CPU.", formatter_class=_Help)
     p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt) or an export_hf.py directory")
-    p.add_argument("--start", default="", help="prompt text, or FILE:path")
-    p.add_argument("--num_samples", type=int, default=3)
-    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--start", default="", help="prompt text, or FILE:path (default: none, a fresh document)")
+    p.add_argument("--num_samples", type=int, default=3, help="samples to draw")
+    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens generated per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=200, help="0 = no top-k cut")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=1337, help="torch seed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="autocast dtype on CUDA (CPU always runs float32)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's Mistral model)")
     args = p.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
         p.error("num_samples and max_new_tokens must be >= 1, temperature and top_k >= 0")
@@ -72,15 +82,16 @@ def main(argv=None):
               "were not trained at these positions", file=sys.stderr)
     x = torch.tensor([ids], dtype=torch.long, device=args.device)
     with ctx:
-        for _ in range(args.num_samples):
+        for i in range(args.num_samples):
+            # a header line the model does not write (it can write a line of dashes)
+            print(f"=== sample {i + 1}/{args.num_samples} ===")
             with torch.no_grad():
                 y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k or None, eos_id=tok.eos_id)
             out = y[0, 1:].tolist()  # drop the document-start token
             if tok.eos_id in out[len(ids) - 1:]:  # stop at the end of the document
                 out = out[:out.index(tok.eos_id, len(ids) - 1)]
-            print(tok.decode(out))
-            print("---------------")
+            print(tok.decode(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ TRAIN_DEFAULTS = dict(
     # faults
     max_bad_steps=10,                # abort after this many consecutive non-finite steps
     # system
-    seed=1337,                       # initial weights, data order, dropout
+    seed=1337,                       # initial weights, data order (unless data_seed), dropout
+    data_seed=-1,                    # the data order's seed; -1 = seed. Fix it to vary only the init
     device="auto",                   # "auto" = cuda if available else cpu
     dtype="auto",                    # "auto" = bfloat16 autocast on CUDA, float32 on CPU
     compile=False,                   # torch.compile the model (about a minute at the start)
@@ -187,6 +188,7 @@ def check_values(cfg):
         ("grad_clip", c["grad_clip"] >= 0, "must be >= 0 (0 = no clipping)"),
         ("chunk_size", c["chunk_size"] >= 1, "must be >= 1"),
         ("cpu_threads", c["cpu_threads"] >= 0, "must be >= 0 (0 = torch's default)"),
+        ("data_seed", c["data_seed"] >= -1, "must be >= 0, or -1 (= seed)"),
         ("dropout", 0 <= c["dropout"] < 1, "must be in [0, 1)"),
     ]
     bad = [f"{key}={c[key]!r}: {why}" for key, ok, why in rules if not ok]

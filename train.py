@@ -199,7 +199,8 @@ def load_data(cfg, env, model_args):
         if top >= model_args["vocab_size"]:
             raise UserError(f"{paths[split]} holds token id {top} >= vocab_size {model_args['vocab_size']}")
     n_train, n_val = (os.path.getsize(paths[s]) // 2 for s in ("train", "val"))
-    return Data(paths, meta, n_train, n_val, DataOrder(n_train, cfg["block_size"], cfg["seed"]))
+    order_seed = cfg["data_seed"] if cfg["data_seed"] >= 0 else cfg["seed"]
+    return Data(paths, meta, n_train, n_val, DataOrder(n_train, cfg["block_size"], order_seed))
 
 
 def data_eos_id(meta, model_args):

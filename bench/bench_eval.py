@@ -1,7 +1,7 @@
 """
 Evaluation speed: the lm-eval adapter's scoring throughput and recurrent decoding speed.
 
-    python bench/bench_eval.py                 # 130M GDN / PRISM / transformer / hybrid (GPU)
+    python bench/bench_eval.py                 # 130M GDN / PRISM / transformer / hybrid: needs a CUDA GPU
     python bench/bench_eval.py --tiny          # tiny models, a CPU smoke test (~1 min)
     python bench/bench_eval.py --models prism --batch_size 128 --scale 0.25
 
@@ -14,11 +14,12 @@ Evaluation speed: the lm-eval adapter's scoring throughput and recurrent decodin
 2. Decoding: a 128-token prompt is prefilled, then `--new_tokens` single-token steps run
    through the cache (what model.generate does), at batch 1 and 64. tok/s = batch * steps / time.
 
-Writes $OUT/bench_eval_<date>.json (OUT defaults to bench/results) with date and device, and
-prints markdown tables.
+Writes --out (default $OUT/bench_eval_<date>.json, OUT defaulting to bench/results) with date,
+device and versions, and prints markdown tables.
 """
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -27,12 +28,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.join(ROOT, "eval")]
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from eval.lm_eval import PrismLM  # noqa: E402
+from eval.harness import PrismLM  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
 from settings import model_args_of, parse_config  # noqa: E402
@@ -141,20 +141,36 @@ def bench_decode(model, batch, prompt_len, new_tokens, device, autocast):
             "tok_s": round(batch * new_tokens / (t2 - t1)), "cache_MiB": round(cache_bytes / 2**20, 2)}
 
 
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="adapter scoring and decoding throughput")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     p.add_argument("--tiny", action="store_true", help="tiny models, few requests (CPU smoke test)")
-    p.add_argument("--models", default="gdn,prism,transformer,hybrid")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--models", default="gdn,prism,transformer,hybrid", help="comma list of " + ", ".join(MODELS))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--batch_size", type=int, default=64, help="adapter batch (requests)")
     p.add_argument("--scale", type=float, default=None,
-                   help="fraction of each task's requests to time (default 0.05; tiny: 0.01)")
-    p.add_argument("--new_tokens", type=int, default=None, help="decode steps (default 128; tiny 16)")
-    p.add_argument("--decode_batches", default="1,64")
-    p.add_argument("--backend", default=None, choices=["naive", "chunk", "triton"])
-    p.add_argument("--no_adapter", action="store_true")
-    p.add_argument("--no_decode", action="store_true")
-    p.add_argument("--out", default=None, help="JSON path (default $OUT/bench_eval_<date>.json)")
+                   help="fraction of each task's requests to time (default: 0.05; tiny: 0.01)")
+    p.add_argument("--new_tokens", type=int, default=None, help="decode steps (default: 128; tiny: 16)")
+    p.add_argument("--decode_batches", default="1,64", help="comma list of decoding batch sizes")
+    p.add_argument("--backend", default=None, choices=["naive", "chunk", "triton"],
+                   help="recurrence backend (default: triton on CUDA, else chunk)")
+    p.add_argument("--no_adapter", action="store_true", help="skip the adapter's scoring benchmark")
+    p.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
+    p.add_argument("--out", default=None, help="JSON path (default: $OUT/bench_eval_<date>.json)")
     args = p.parse_args(argv)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in names if m not in MODELS]
@@ -168,7 +184,8 @@ def main(argv=None):
 
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "tiny": args.tiny, "scale": scale,
+              "torch": torch.__version__, "triton": _version("triton"), "lm_eval": _version("lm_eval"),
+              "tiny": args.tiny, "scale": scale,
               "adapter_batch_size": args.batch_size, "dtype": "bfloat16" if device.type == "cuda" else "float32",
               "models": {}, "adapter": [], "decode": []}
     t_start = time.perf_counter()

@@ -54,16 +54,24 @@ def time_ms(fn, steps, warmup=3):
     return sorted(ts)[len(ts) // 2]
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="gdn,prism")
-    ap.add_argument("--batch_size", type=int, default=16)
-    ap.add_argument("--block_size", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=10)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--models", default="gdn,prism", help="comma list of " + ", ".join(MODELS))
+    ap.add_argument("--batch_size", type=int, default=16, help="sequences per step")
+    ap.add_argument("--block_size", type=int, default=2048, help="tokens per sequence")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=3, help="off/on alternations (medians of medians)")
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--data", default=None, help="a train.bin to take the windows from")
-    ap.add_argument("--out", default="bench/results/varlen_bench.json")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the models")
+    ap.add_argument("--data", default=None, help="a train.bin to take the windows from (default: synthetic documents)")
+    ap.add_argument("--out", default="bench/results/varlen_bench.json", help="results JSON")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_varlen.py needs a CUDA GPU")

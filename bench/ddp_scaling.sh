@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DDP scaling of PRISM-130M: tokens/s on 1 GPU, then on 2 GPUs (torchrun), with the same per-GPU
 # micro-batch and per-GPU accumulation, on synthetic tokens. Writes $OUT/ddp_scaling.json
-# (default OUT=bench/results) plus both runs' stdout. Needs 2 GPUs; ~2-4 minutes on 2 H200s.
+# (default OUT=bench/results) plus both runs' stdout. Needs 2 CUDA GPUs; ~2-4 minutes on 2 H200s.
 #
 #   bash bench/ddp_scaling.sh                        # defaults below
 #   MICRO=8 ITERS=20 BACKEND=chunk bash bench/ddp_scaling.sh
@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# NVLink multicast stays off (the device README: it can take the host's GPUs down)
+# NVLink multicast (NVLS) stays off: on some hosts it hangs collectives or takes the GPUs down
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}

@@ -1,7 +1,7 @@
 """Where a training step's GPU time goes. torch.profiler over full training steps (forward,
 backward, grad clip, AdamW) of the 130M configs and of fla's GDN model, run as bench.py runs
 them; every GPU kernel goes into one category by its name and the operators it was launched
-from. Needs a CUDA GPU.
+from. Needs a CUDA GPU (and flash-linear-attention for the fla row); writes to --out, --trace.
 
     python bench/profile_model.py [--models=gdn,prism L=3,fla] [--B=16] [--T=2048] [--compile]
         [--steps=3] [--out=bench/results/profile_130m.txt] [--trace=DIR]
@@ -143,19 +143,27 @@ def profile(model, B, T, vocab, flops_per_token, ours=True, compile=False, steps
     return head + "\n" + text
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     p.add_argument("--models", default="gdn,prism L=3,fla",
                    help="comma list of bench.py row-name prefixes, fla = the peer")
-    p.add_argument("--B", type=int, default=16)
-    p.add_argument("--T", type=int, default=2048)
+    p.add_argument("--B", type=int, default=16, help="sequences per step")
+    p.add_argument("--T", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--compile", action="store_true", help="torch.compile every model (the peer too)")
     p.add_argument("--activation_checkpointing", type=checkpointing, nargs="?", const=True,
                    default=False, metavar="True|mlp", help="our models: recompute blocks or MLPs")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="profiled steps per model")
     p.add_argument("--out", default=None, help="also write the report here")
     p.add_argument("--trace", default=None, help="directory for Chrome traces, one per model")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_model.py needs a CUDA GPU")
     if a.trace:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The small real-text comparison (issue 7): GDN-130M, PRISM-130M and hybrid-130M trained for the
-# SAME number of tokens, same seed and data order (train.py's DataOrder is a seeded function of
-# the step), on data/realtext (Debian-packaged English, bench/realtext_corpus.py), one H200.
+# The small real-text comparison: GDN-130M, PRISM-130M and hybrid-130M trained for the SAME number
+# of tokens, same seed and data order (train.py's DataOrder is a seeded function of the step), on
+# data/realtext (Debian-packaged English, bench/realtext_corpus.py). Needs a CUDA GPU (about 9
+# minutes for the three models on one H200); TINY=1 runs the tiny configs on any machine.
 #
-#   device run, kind nvidia-h200, carry ["data/realtext"], timeout_s 600, command:
-#     bash bench/realtext.sh                     (TOKENS=16777216 = 256 steps of 65,536 tokens)
+#   bash bench/realtext.sh                     (TOKENS=16777216 = 256 steps of 65,536 tokens)
+#   GPUS="0 1" bash bench/realtext.sh          the models in parallel lanes on two GPUs
 #
-# Writes to $OUT (at most 8 files, the device tool's limit):
+# Writes to $OUT (default out/realtext_result):
 #   realtext_val.png        plot.py: train (smoothed) and val loss against tokens, three models
 #   realtext_summary.json   per model: final val loss and perplexity, the val curve, tokens,
 #                           tokens/s, wall time, exit code; and the val losses at the last
@@ -14,22 +15,20 @@
 #   realtext_train.log      the three runs' stdout/stderr, concatenated
 #   realtext_<model>.jsonl  train.py's log.jsonl of each run
 #
-# On several GPUs, GPUS="0 1" runs the models in parallel lanes, model i on GPU GPUS[i mod n]
-# (each lane runs its models one after another), then summarises once; every model still sees the
-# same tokens in the same order, so the comparison is unchanged. PHASE=train|summary|all (default
-# all) splits the two halves, e.g. to train one model on a GPU that first ran something else:
+# With GPUS="0 1", model i trains on GPU GPUS[i mod n] (each lane runs its models one after
+# another), then one summary follows; every model still sees the same tokens in the same order,
+# so the comparison is unchanged. PHASE=train|summary|all (default all) splits the two halves,
+# e.g. to train one model on a GPU that first ran something else:
 #   CUDA_VISIBLE_DEVICES=1 MODELS="gdn prism" PHASE=train bash bench/realtext.sh &
 #   (other work on GPU 0); CUDA_VISIBLE_DEVICES=0 MODELS=hybrid PHASE=train bash bench/realtext.sh
 #   wait; PHASE=summary bash bench/realtext.sh
 # Env: TOKENS (per model; rounded up to whole steps), MODELS ("gdn prism hybrid"), RUN_TIMEOUT
-# (seconds per model; SIGTERM makes train.py stop cleanly at the end of a step), SAVE_CKPT=1 to
-# keep train.py's checkpoints (off, via --save_checkpoints=False: train.py saves model + AdamW state, 1.75 GB, at every
-# evaluation that improves, i.e. ~17 times; serialize + sha256 + write took 14 s a save on the dev
-# box, seconds on the GPU host, and no checkpoint could come back from the device anyway),
-# RUNS (out dirs), DATA_DIR / DATASET, TRAIN_ARGS (more train.py --key=value, appended; keep the
-# tokens per step, e.g. "--batch_size=8 --gradient_accumulation_steps=4" if 16 sequences do not
-# fit), TINY=1: the tiny CPU configs and a few iterations (a smoke test of this script on any
-# machine; tests/test_realtext.py runs it).
+# (seconds per model, default 600; SIGTERM makes train.py stop cleanly at the end of a step),
+# SAVE_CKPT=1 to keep train.py's checkpoints (off by default: model + AdamW state is 1.75 GB a
+# save, ~17 saves a run), RUNS (out dirs), DATA_DIR / DATASET, TRAIN_ARGS (more train.py
+# --key=value, appended; keep the tokens per step, e.g. "--batch_size=8
+# --gradient_accumulation_steps=4" if 16 sequences do not fit), TINY=1: the tiny CPU configs
+# and a few iterations (a smoke test of this script; tests/test_realtext.py runs it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/realtext_result}
@@ -53,7 +52,7 @@ else
     SIZE=130M
     TOKENS=${TOKENS:-16777216}
     STEP_TOKENS=$((16 * 2 * 2048))            # config/realtext.py: 16 x 2048, accum 2
-    RUN_TIMEOUT=${RUN_TIMEOUT:-165}           # 3 x (165 + 15) s + plot < the tool's 600 s
+    RUN_TIMEOUT=${RUN_TIMEOUT:-600}           # one model takes 2-4 minutes on an H200
     declare -A CONF=([gdn]="config/gdn_130m.py config/realtext.py"
                      [prism]="config/prism_130m.py config/realtext.py"
                      [hybrid]="config/hybrid_130m.py config/realtext.py")

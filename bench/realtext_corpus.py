@@ -1,6 +1,7 @@
 """
-An offline English corpus for the small real-text comparison (issue 7), built from Debian
-packages and written as SlimPajama-style .jsonl.zst shards that data/prepare_slimpajama.py reads.
+An offline English corpus for the small real-text comparison (bench/realtext.sh), built from
+Debian packages and written as SlimPajama-style .jsonl.zst shards that data/prepare_slimpajama.py
+reads. Runs on the CPU of a Debian system; writes --out and --record.
 
 On Debian 12 (bookworm), as root (about 100 MB to download, 0.5 GB installed):
 
@@ -18,8 +19,7 @@ On Debian 12 (bookworm), as root (about 100 MB to download, 0.5 GB installed):
         --val_tokens 0 --num_proc 2 --out_dir /tmp/realtext_all
     python bench/realtext_corpus.py --record_prepared /tmp/realtext_all --record_key whole_corpus
 
-25M + 1M tokens are 52 MB of .bin: with the repo they stay under the device tool's 64 MiB, so
-bench/realtext.sh can carry data/realtext to the GPU.
+25M + 1M tokens are 52 MB of .bin, small enough to copy to a GPU machine with the repo.
 
 Sources (one record per document, meta.redpajama_set_name = the source name):
   bible      King James Bible (bible-kjv, through its `bible` program), one document per chapter
@@ -36,6 +36,10 @@ Sources (one record per document, meta.redpajama_set_name = the source name):
   vim        Vim's help files and user manual (vim-runtime), one per file
   dict       GCIDE (Webster 1913 + additions), FOLDOC and the Devil's Dictionary (dict-gcide,
              dict-foldoc, dict-devil), ~4 KB pieces of consecutive entries
+
+More manuals (Django, Sphinx, SQLAlchemy, git, SQLite, Rust's books, Apache, Postfix, the Debian
+Reference, the Bash scripting guide, Erlang/OTP, m4, and the autoconf/automake/binutils info
+manuals: MANUALS, info_more) join with --sources; bench/realtext_seeds.py builds that corpus.
 
 Only files that dpkg lists for these packages are read, so whatever else is installed does not
 change the corpus. Exact duplicate documents are dropped. Documents are ordered by the md5 of
@@ -368,9 +372,9 @@ def src_man():
     return docs
 
 
-def src_info():
+def src_info(packages=INFO_PACKAGES):
     docs = []
-    for pkg in INFO_PACKAGES:
+    for pkg in packages:
         files = [f for f in dpkg_files(pkg) if f.startswith("/usr/share/info/") and ".info" in f
                  and f.endswith(".gz") and not os.path.islink(f)]
         manuals = {}
@@ -413,6 +417,46 @@ def src_dict():
 SOURCES = {"bible": src_bible, "fortunes": src_fortunes, "jargon": src_jargon, "pydoc": src_pydoc,
            "linux": src_linux, "man": src_man, "info": src_info, "handbook": src_handbook,
            "postgres": src_postgres, "vim": src_vim, "dict": src_dict}
+DEFAULT_SOURCES = list(SOURCES)  # the corpus recorded in bench/results/realtext_corpus.json
+
+# More manuals, for the larger corpus of bench/realtext_seeds.py (named with --sources, so the
+# default corpus stays as recorded): name -> (package, files to read, files to skip), regexes
+# over the paths dpkg lists. HTML is reduced to its text; any other file is read as text.
+MANUALS = {
+    "django": ("python-django-doc", r"/html/.*\.html$", r"/(genindex|py-modindex|search)\.html$|/_modules/"),
+    "sphinx": ("sphinx-doc", r"/_sources/.*\.txt$", None),
+    "sqlalchemy": ("python-sqlalchemy-doc", r"/rst/.*\.rst$", None),
+    # the commands' own pages are git-man's (source "man")
+    "gitdoc": ("git-doc", r"/git-doc/(user-manual|technical/.*|howto/.*)\.txt$", None),
+    # C API stubs and release logs are lists, not prose
+    "sqlite": ("sqlite3-doc", r"\.html$", r"/(c3ref|releaselog)/"),
+    # the books; print.html repeats every chapter of its book
+    "rust": ("rust-doc", r"/html/(book|reference|nomicon|rustc|edition-guide|embedded-book|rust-by-example|"
+                         r"rustdoc|style-guide)/.*\.html$", r"/(print|toc|404)\.html$"),
+    "apache": ("apache2-doc", r"/manual/en/.*\.html$", None),
+    "postfix": ("postfix-doc", r"/html/[^/]+\.html$", r"\.\d\.html$"),  # NAME.N.html: its man pages
+    "debref": ("debian-reference-en", r"\.en\.html$", None),
+    "abs": ("abs-guide", r"/html/.*\.html$", None),
+    "erlang": ("erlang-doc", r"/doc/html/.*\.html$", None),
+    "m4": ("m4-doc", r"\.html$", None),
+}
+MORE_INFO_PACKAGES = ["autoconf-doc", "automake", "binutils-doc"]
+
+
+def src_manual(pkg, keep, skip):
+    files = [f for f in dpkg_files(pkg) if re.search(keep, f) and not (skip and re.search(skip, f))
+             and os.path.isfile(f) and not os.path.islink(f)]
+    return [html_to_text(read_text(f)) if ".html" in f else tidy(read_text(f)) for f in files]
+
+
+SOURCES.update({name: (lambda spec=spec: src_manual(*spec)) for name, spec in MANUALS.items()})
+SOURCES["info_more"] = lambda: src_info(MORE_INFO_PACKAGES)
+
+
+def packages_of(sources):
+    """The Debian packages whose files the named sources read."""
+    extra = {MANUALS[s][0] for s in sources if s in MANUALS}
+    return sorted(set(PACKAGES) | extra | (set(MORE_INFO_PACKAGES) if "info_more" in sources else set()))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -518,11 +562,21 @@ def prepared_record(d):
     return rec
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(ROOT, "data", "realtext_src"), help="shard folder")
-    ap.add_argument("--record", default=os.path.join(ROOT, "bench", "results", "realtext_corpus.json"))
-    ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--out", default=os.path.relpath(os.path.join(ROOT, "data", "realtext_src")), help="shard folder")
+    ap.add_argument("--record", default=os.path.relpath(os.path.join(ROOT, "bench", "results", "realtext_corpus.json")),
+                    help="JSON record of the packages, versions and counts")
+    ap.add_argument("--sources", nargs="+", default=DEFAULT_SOURCES, choices=list(SOURCES), metavar="SOURCE",
+                    help="sources to gather: " + " ".join(SOURCES))
     ap.add_argument("--min_chars", type=int, default=200, help="drop shorter documents")
     ap.add_argument("--record_prepared", metavar="DIR", default=None,
                     help="only add DIR's meta.json counts and .bin sha256 to --record (after prepare)")
@@ -534,7 +588,7 @@ def main(argv=None):
         return
     if not shutil.which("dpkg-query"):
         sys.exit("realtext_corpus.py: error: needs a Debian system (dpkg-query not found)")
-    found, missing = package_versions(PACKAGES)
+    found, missing = package_versions(packages_of(a.sources))
     if missing:
         print(f"warning: not installed, their text is left out: {' '.join(missing)}\n"
               f"  apt-get install -y --no-install-recommends {' '.join(missing)}", file=sys.stderr)

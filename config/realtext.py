@@ -1,13 +1,12 @@
-# Overrides for the small real-text comparison (issue 7, bench/realtext.sh): put AFTER a 130M
-# model config, e.g.  python train.py config/prism_130m.py config/realtext.py --max_iters=256
+# Overrides for the small real-text comparison (bench/realtext.sh): put AFTER a 130M model
+# config, e.g.  python train.py config/prism_130m.py config/realtext.py --max_iters=256
 # The model stays exactly the 130M one; only data, batch and schedule change, identically for
 # GDN, PRISM and hybrid (same seed -> same data order, train.py's DataOrder).
-# Data: ~26M tokens of Debian-packaged English (bench/realtext_corpus.py), small enough to carry
-# to the GPU machine.
+# Data: ~26M tokens of Debian-packaged English (bench/realtext_corpus.py), 52 MB of .bin.
 dataset = "realtext"
 
-# Why smaller than the 2B recipe: the comparison gets ~2-3 minutes of H200 per model, i.e.
-# ~15-25M tokens. At the recipe's 0.5M tokens/step that is ~40 steps, too few to see a curve;
+# Why smaller than the 2B recipe: the comparison is sized for ~2-4 minutes of H200 per model,
+# i.e. ~15-25M tokens. At the recipe's 0.5M tokens/step that is ~40 steps, too few to see a curve;
 # 64K tokens/step (16 x 2048 x 2) gives ~250 steps. 16 x 2048 per micro-step is what the
 # 130M models ran at in bench.py on the H200 (70-100 GiB with the chunk backend).
 batch_size = 16

@@ -47,9 +47,9 @@ Malformed records (bad JSON, missing or non-string text, bytes that are not UTF-
 counted and reported; past --max_malformed the run stops, naming the file and line.
 
 Speed. Workers (--num_proc) tokenize batches of ~1 MiB of text; results are written in input
-order. One worker does ~1.3M tokens/s on local .jsonl.zst on the 2-core dev machine
-(bench/bench_prepare.py, bench/results/prepare_bench.json): ~30 min for the default 2B tokens,
-which take 4.0 GB (train.bin) + 20 MB (val.bin) of disk.
+order. One worker does ~0.9M tokens/s on local .jsonl.zst on a 2-core machine
+(bench/bench_prepare.py, bench/results/prepare_bench.json): ~20 min for the default 2B tokens
+with 2 workers, which take 4.0 GB (train.bin) + 20 MB (val.bin) of disk.
 """
 
 import argparse
@@ -90,6 +90,13 @@ class PrepareError(Exception):
     pass
 
 
+def warn(msg):
+    """A warning on stderr, the progress bar's stream, through tqdm: the bar is cleared, the line
+    written whole, the bar redrawn (a plain print to stdout lands mid-bar when both are shown)."""
+    from tqdm import tqdm
+    tqdm.write(f"warning: {msg}", file=sys.stderr)
+
+
 # -------------------------------------------------------------------------------------------------
 # arguments
 
@@ -114,24 +121,34 @@ def set_name(s):
     return s[len("redpajama"):] if s.startswith("redpajama") else s
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     p.add_argument("--data_files", nargs="+", metavar="GLOB", help="local .jsonl.zst/.jsonl/.parquet/.txt files")
     p.add_argument("--val_files", nargs="+", metavar="GLOB", help="local files for val.bin")
-    p.add_argument("--dataset", default=None, help=f"hub dataset to stream (default {SLIMPAJAMA})")
+    p.add_argument("--dataset", default=None, help=f"hub dataset to stream (default: {SLIMPAJAMA})")
     p.add_argument("--dataset_config", default=None, help="hub dataset config name")
-    p.add_argument("--text_field", default="text")
+    p.add_argument("--text_field", default="text", help="the record field that holds the text")
     p.add_argument("--txt_docs", choices=["paragraph", "file"], default="paragraph",
                    help=".txt input: a document per blank-line separated paragraph, or per file")
     p.add_argument("--val_fraction", type=float, default=None,
-                   help="hold out every round(1/f)-th record when there is no validation source")
+                   help="hold out every round(1/f)-th record when there is no validation source "
+                        "(default: so that both budgets fill together)")
     p.add_argument("--exclude_sets", nargs="+", default=[], metavar="SET", help=f"drop these: {' '.join(SETS)}")
     p.add_argument("--include_sets", nargs="+", default=[], metavar="SET", help="keep only these")
     p.add_argument("--tokens", type=parse_budget, default=2_000_000_000, help="train tokens (or 'all')")
     p.add_argument("--val_tokens", type=parse_budget, default=10_000_000, help="val tokens (or 'all')")
-    p.add_argument("--num_proc", type=int, default=os.cpu_count() or 1, help="tokenizer worker processes")
-    p.add_argument("--out_dir", default=os.path.join("data", "slimpajama"))
-    p.add_argument("--tokenizer", default=None, help="SentencePiece model file (default: Mistral-7B-v0.1)")
+    p.add_argument("--num_proc", type=int, default=os.cpu_count() or 1,
+                   help="tokenizer worker processes (default: %(default)s, one per CPU)")
+    p.add_argument("--out_dir", default=os.path.join("data", "slimpajama"), help="where the files go")
+    p.add_argument("--tokenizer", default=None, help="SentencePiece model file (default: Mistral-7B-v0.1's)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run in out_dir")
     p.add_argument("--overwrite", action="store_true", help="discard an interrupted run in out_dir")
     p.add_argument("--max_malformed", type=int, default=1000, help="malformed records tolerated")
@@ -469,6 +486,7 @@ class Output:
 
     def __init__(self, a, fingerprint):
         self.dir = a.out_dir
+        self.created_dir = not os.path.exists(a.out_dir)  # an empty dir made here goes again on error
         self.budget = {"train": a.tokens, "val": a.val_tokens}
         self.progress = os.path.join(self.dir, PROGRESS)
         self.st = {"fingerprint": fingerprint, "stream": 0, "pos": None, "slot_base": 0,
@@ -490,6 +508,7 @@ class Output:
                 self.st = saved
         elif a.resume:
             print(f"--resume: no unfinished run in {self.dir}, starting from the beginning")
+        self.saved = json.loads(json.dumps(self.st))  # what --resume would continue from
 
     def open(self):
         """Open the temp files; on resume cut them back to the last checkpoint."""
@@ -516,6 +535,7 @@ class Output:
             f.flush()
             os.fsync(f.fileno())
         atomic_write(self.progress, json.dumps(self.st, indent=2))
+        self.saved = json.loads(json.dumps(self.st))  # what --resume would continue from
 
     def full(self, s):
         return self.budget[s] is not None and self.st["tokens"][s] >= self.budget[s]
@@ -535,22 +555,27 @@ class Output:
 
     def note_bad(self, where, why, limit):
         self.st["malformed"] += 1
+        if self.st["malformed"] > limit:
+            raise PrepareError(f"malformed record {where}: {why}\n{self.st['malformed']} malformed records, "
+                               f"more than --max_malformed={limit}; stopping")
         if len(self.st["malformed_examples"]) < 10:
             self.st["malformed_examples"].append(f"{where}: {why}")
-            from tqdm import tqdm
-            tqdm.write(f"warning: skipping malformed record {where}: {why}")
-        if self.st["malformed"] > limit:
-            raise PrepareError(f"{where}: {why}\n{self.st['malformed']} malformed records, more than "
-                               f"--max_malformed={limit}; stopping")
+            warn(f"skipping malformed record {where}: {why}")
 
-    def discard_if_empty(self):
-        st = self.st
-        if st["stream"] == 0 and st["pos"] is None and not any(st["tokens"].values()):
-            for f in self.fh.values():
-                f.close()
-            for name in (PROGRESS, "train.bin.tmp", "val.bin.tmp"):
-                if os.path.exists(os.path.join(self.dir, name)):
-                    os.remove(os.path.join(self.dir, name))
+    def discard_unsaved(self):
+        """After an error: if no checkpoint holds any progress, remove what this run wrote (and
+        out_dir itself when the run created it), since there is nothing to resume. -> True if so."""
+        saved = self.saved
+        if saved["stream"] or saved["pos"] is not None or any(saved["tokens"].values()):
+            return False
+        for f in getattr(self, "fh", {}).values():
+            f.close()
+        for name in (PROGRESS, "train.bin.tmp", "val.bin.tmp"):
+            if os.path.exists(os.path.join(self.dir, name)):
+                os.remove(os.path.join(self.dir, name))
+        if self.created_dir and os.path.isdir(self.dir) and not os.listdir(self.dir):
+            os.rmdir(self.dir)
+        return True
 
     def finish(self, meta):
         """fsync, rename the temp files into place, meta.json last."""
@@ -598,7 +623,11 @@ def prepare(a):
         raise PrepareError(f"vocab size {tok.vocab_size} does not fit uint16")
     k = val_every(a)
     out = Output(a, fingerprint(a, streams, tok, k))
-    check_output_dir(a.out_dir, estimate_bytes(a, streams) - 2 * sum(out.st["tokens"].values()))
+    try:
+        check_output_dir(a.out_dir, estimate_bytes(a, streams) - 2 * sum(out.st["tokens"].values()))
+    except PrepareError:
+        out.discard_unsaved()
+        raise
     out.open()
     st = out.st
     include, exclude = sorted(map(set_name, a.include_sets)), sorted(map(set_name, a.exclude_sets))
@@ -659,8 +688,15 @@ def prepare(a):
         except KeyboardInterrupt:
             raise PrepareError(f"interrupted. The work up to the last checkpoint is kept in {a.out_dir}; "
                                f"continue with --resume")
+        except PrepareError as e:
+            if not out.discard_unsaved():
+                t = out.saved["tokens"]
+                e.args = (f"{e}\nThe work up to the last checkpoint ({t['train']:,} train + {t['val']:,} val "
+                          f"tokens) is kept in {a.out_dir}: continue with --resume once the cause is fixed, or start "
+                          f"over with --overwrite",)
+            raise
         except BaseException:
-            out.discard_if_empty()  # nothing written yet: nothing to resume
+            out.discard_unsaved()  # nothing checkpointed: nothing to resume, nothing left behind
             raise
         finally:
             bar.close()
@@ -669,7 +705,7 @@ def prepare(a):
 
     for s in ("train", "val"):
         if not out.full(s) and out.budget[s] is not None:
-            print(f"warning: the input ran out: {s} has {st['tokens'][s]:,} tokens, budget was {out.budget[s]:,}")
+            warn(f"the input ran out: {s} has {st['tokens'][s]:,} tokens, budget was {out.budget[s]:,}")
     if st["docs"]["train"] == 0:
         raise PrepareError("no documents were tokenized into train.bin (empty input, or everything filtered "
                            f"or malformed: {st['malformed']} malformed, filtered {st['filtered']})")

@@ -1,1 +1,1 @@
-"""Evaluation: eval/lm_eval.py (lm-evaluation-harness adapter + CLI), eval/compare.py (tables)."""
+"""Evaluation: eval/harness.py (lm-evaluation-harness adapter + CLI), eval/compare.py (tables)."""

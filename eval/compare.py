@@ -1,9 +1,9 @@
 """
-Put several eval/lm_eval.py results side by side, in the paper's table layout.
+Put several eval/harness.py results side by side, in the paper's table layout.
 
     python eval/compare.py out/gdn_130m/eval.json out/prism_130m/eval.json [--output table.md]
 
-Each argument is a results JSON written by eval/lm_eval.py --output (lm-eval's own
+Each argument is a results JSON written by eval/harness.py --output (lm-eval's own
 `--output_path` JSON works too: both keep lm-eval's "results" block). A row is labelled by the
 JSON's "label" field, else by the file name; --labels overrides.
 
@@ -77,15 +77,23 @@ def load_results(path):
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(d, dict) or not isinstance(d.get("results"), dict):
-        raise ValueError(f"{path}: no 'results' block; expected eval/lm_eval.py or lm-eval output")
+        raise ValueError(f"{path}: no 'results' block; expected eval/harness.py or lm-eval output")
     label = d.get("label") or os.path.splitext(os.path.basename(path))[0]
     return label, d["results"]
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="side-by-side table of eval/lm_eval.py results")
-    p.add_argument("results", nargs="+", help="results JSON files")
-    p.add_argument("--labels", default=None, help="comma list, one label per file")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p.add_argument("results", nargs="+", help="results JSON files (eval/harness.py --output, or lm-eval's own)")
+    p.add_argument("--labels", default=None, help="comma list, one label per file (default: each file's label)")
     p.add_argument("--output", default=None, help="also write the markdown table here")
     args = p.parse_args(argv)
     rows = [load_results(f) for f in args.results]

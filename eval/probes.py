@@ -1,9 +1,9 @@
 """
 Synthetic mechanistic probes (the PRISM paper's Table 4), small models trained from scratch.
 
-    python eval/probes.py --setting paper --seeds 0 1 2 --device cuda --ensemble 9 --streams 27 \
-        --budget_s 400 --out bench/results/probes_paper_h200.json   # the full grid, one GPU
-    python eval/probes.py --tasks parity mux --models paper-probe-LA paper-probe-PRISM prism \
+    python eval/probes.py --setting paper --seeds 0 1 2 --device cuda --ensemble 9 --streams 27 \\
+        --out probes.json                                      # the full grid, one CUDA GPU
+    python eval/probes.py --tasks parity mux --models paper-probe-LA paper-probe-PRISM prism \\
         --seeds 0 --steps 2000 --device cpu                    # a small CPU look
 
 Every task is one sequence of T tokens: noise tokens everywhere, a short pattern (P tokens) at a
@@ -611,34 +611,44 @@ def table(rows, models=None):
     return "\n".join(lines)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--setting", default="paper", choices=sorted(SETTINGS))
-    p.add_argument("--tasks", nargs="+", default=list(TASKS))
-    p.add_argument("--models", nargs="+", default=MODELS)
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\nThe full grid wants a CUDA GPU "
+                                "(--device cuda); small grids run on the CPU. Writes --out.",
+                                formatter_class=_Help)
+    p.add_argument("--setting", default="paper", choices=sorted(SETTINGS),
+                   help="paper: the authors' probe script; paper_text: what the paper's text says")
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), help="tasks to run")
+    p.add_argument("--models", nargs="+", default=MODELS, help="model kinds to train")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="one run per seed")
     p.add_argument("--steps", type=int, help="override the setting's training steps")
     p.add_argument("--batch", type=int, help="override the setting's batch size")
     p.add_argument("--n_test", type=int, help="override the number of test samples")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--workers", type=int, default=1,
                    help="concurrent processes, each running --streams jobs at a time")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
-    p.add_argument("--eval_every", type=int, default=0, help="also record test acc every N steps")
+    p.add_argument("--eval_every", type=int, default=0, help="also record test acc every N steps (0: only at the end)")
     p.add_argument("--backend", default="chunk", choices=["chunk", "naive", "triton"],
                    help="recurrence backend for our GDN/PRISM models")
     p.add_argument("--ensemble", type=int, default=1,
                    help="train up to N (task, seed) members of one model kind and shape at once "
                         "(stacked weights, torch.func.vmap)")
     p.add_argument("--streams", type=int, default=1,
-                   help="runs per process, interleaved on their own CUDA streams (GPU only)")
+                   help="runs per process, interleaved on their own CUDA streams (CUDA only)")
     p.add_argument("--no_graph", action="store_true",
                    help="on CUDA, do not capture the training step as a CUDA graph")
     p.add_argument("--budget_s", type=float, default=0,
                    help="wall budget in seconds (0 = none): no group starts after it, and running "
                         "groups stop there and record how far they got")
-    p.add_argument("--out", default="bench/results/probes.json")
+    p.add_argument("--out", default="bench/results/probes.json", help="results JSON, rewritten after every group")
     p.add_argument("--resume", action="store_true", help="skip runs already in --out")
     args = p.parse_args(argv)
     bad = [t for t in args.tasks if t not in TASKS] + [m for m in args.models if m not in MODELS]

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -365,7 +366,7 @@ def test_resume_refuses_changed_settings(tmp_path):
         run(["--data_files", pattern, "--out_dir", out, "--resume"])
 
 
-def test_malformed_records(tmp_path, tok):
+def test_malformed_records(tmp_path, tok, capsys):
     docs = make_docs(12, seed=12)
     bad = {3: b'{"text": "unterminated', 5: json.dumps({"body": "x"}).encode(), 7: json.dumps({"text": 7}).encode(),
            9: b'{"text": "bad \xff\xfe bytes"}', 11: b'{"text": "lone \\ud800 surrogate"}', 12: b"[1, 2]"}
@@ -381,9 +382,17 @@ def test_malformed_records(tmp_path, tok):
     for line, why in [(3, "bad JSON"), (5, "missing text field"), (7, "not a string"), (9, "not UTF-8"),
                       (11, "surrogate"), (12, "not a JSON object")]:
         assert f"m.jsonl:{line}: " in ex and why in ex
-    with pytest.raises(prep.PrepareError, match=r"(?s)m\.jsonl:7: .*not a string.*max_malformed=2"):
+    # each warning is a whole line on stderr, the progress bar's stream (tqdm clears the bar first)
+    out, err = capsys.readouterr()
+    assert "warning" not in out
+    warned = [ln.split("\r")[-1] for ln in err.split("\n") if "warning" in ln]
+    assert len(warned) == 6 and all(re.match(r"warning: skipping malformed record \S*m\.jsonl:\d+: ", ln) for ln in warned)
+    # past the limit: the record it stops on is named as the stop, not as skipped, and a run that
+    # saved nothing leaves nothing behind, not even its output folder
+    with pytest.raises(prep.PrepareError, match=r"(?s)m\.jsonl:7: .*not a string.*max_malformed=2; stopping$"):
         run(common + ["--out_dir", tmp_path / "fail", "--max_malformed", 2])
-    assert not (tmp_path / "fail" / "train.bin").exists()
+    assert "m.jsonl:7" not in capsys.readouterr().err
+    assert not (tmp_path / "fail").exists()
     # a .txt file that is not UTF-8 is one malformed record, located by line
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "a.txt").write_text("fine text\n")
@@ -394,6 +403,26 @@ def test_malformed_records(tmp_path, tok):
     with pytest.raises(prep.PrepareError, match=r"b\.txt:1: undecodable bytes"):  # paragraph mode: its first line
         run(["--data_files", tmp_path / "t" / "*.txt", "--out_dir", tmp_path / "t_out2", "--tokens", "all",
              "--val_tokens", 0, "--max_malformed", 0])
+
+
+def test_stop_after_a_checkpoint_keeps_it_and_resume_finishes(tmp_path):
+    """A run that stops on its malformed-record limit after a checkpoint keeps that checkpoint
+    and says so; --resume with a higher limit then gives the bytes of an uninterrupted run."""
+    docs = make_docs(60, seed=14)
+    lines = [json.dumps({"text": d}).encode() for d in docs]
+    lines[45] = b'{"text": 7}'
+    f = tmp_path / "late.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    common = ["--data_files", f, "--tokens", "all", "--val_tokens", 0, "--batch_bytes", 500,
+              "--checkpoint_tokens", 200]
+    ref = run(common + ["--out_dir", tmp_path / "ref", "--max_malformed", 1])
+    out = tmp_path / "o"
+    with pytest.raises(prep.PrepareError, match=r"(?s)late\.jsonl:46: .*stopping.*kept in .*--resume"):
+        run(common + ["--out_dir", out, "--max_malformed", 0])
+    assert (out / prep.PROGRESS).exists() and not (out / "train.bin").exists()
+    meta = run(common + ["--out_dir", out, "--max_malformed", 1, "--resume"])
+    assert meta["malformed_records"] == ref["malformed_records"] == 1
+    assert (out / "train.bin").read_bytes() == (tmp_path / "ref" / "train.bin").read_bytes()
 
 
 def test_early_errors(tmp_path, monkeypatch):
@@ -413,6 +442,7 @@ def test_early_errors(tmp_path, monkeypatch):
         run(["--data_files", good, "--out_dir", tmp_path / "afile" / "sub"])
     with pytest.raises(prep.PrepareError, match="disk space"):
         run(["--data_files", good, "--out_dir", tmp_path / "o", "--tokens", 10 ** 13])
+    assert not (tmp_path / "o").exists()  # the folder it made for the run is gone again
     # only blank lines / everything filtered: an error, and no train.bin
     (tmp_path / "blank.jsonl").write_text("\n\n")
     with pytest.raises(prep.PrepareError, match="no documents"):

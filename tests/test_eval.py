@@ -1,4 +1,4 @@
-"""eval/lm_eval.py through lm-evaluation-harness, offline.
+"""eval/harness.py through lm-evaluation-harness, offline.
 
 The real tasks' YAMLs (lambada_openai, piqa, arc_easy, wikitext) are copied from the installed
 lm-eval with only their dataset source swapped for local JSON files written here, and run with
@@ -9,7 +9,8 @@ include_path (built-in tasks not indexed). Checked:
   * a bigram model whose probabilities we set gives exactly the accuracy and perplexity predicted
     on paper;
   * batching with right padding changes nothing; empty contexts, truncation and generate_until;
-  * checkpoint loading and its errors; the CLI, the results JSON and eval/compare.py.
+  * checkpoint loading and its errors; the CLI, the results JSON and eval/compare.py;
+  * a task whose hub dataset is not in the cache is named, with the command that fills it.
 """
 import json
 import math
@@ -17,6 +18,7 @@ import os
 import re
 import shutil
 import string
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -35,7 +37,7 @@ import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from eval import compare  # noqa: E402
-from eval.lm_eval import PrismLM, evaluate, main as eval_main  # noqa: E402
+from eval.harness import PrismLM, evaluate, main as eval_main  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 
 LM_EVAL_TASKS = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
@@ -509,6 +511,54 @@ def test_unknown_task_is_a_clear_error(task_dir):
         evaluate(lm, ["no_such_task"], include_path=task_dir, include_defaults=False)
 
 
+def _dataset_of(yaml_path):
+    """(dataset_path, dataset_name or None) as a task YAML states them."""
+    kv = dict(re.findall(r"^(dataset_path|dataset_name): *(\S*)", open(yaml_path).read(), re.M))
+    return kv["dataset_path"], (None if kv.get("dataset_name") in (None, "", "null") else kv["dataset_name"])
+
+
+def test_offline_names_each_task_its_dataset_and_the_fill_command(tmp_path):
+    """Offline, empty cache: one line per task whose hub dataset is missing, naming the task, the
+    dataset and the command that fills the cache; nothing for a task that loads (local data); no
+    traceback unless --debug. HF_*_OFFLINE make datasets fail at once instead of retrying."""
+    tok_path = _mistral_tokenizer_path()
+    if tok_path is None:
+        pytest.skip("mistral-common not installed")
+    from tokenizer import load_tokenizer
+    ck = tmp_path / "ckpt.pt"
+    _save_ckpt(ck, tiny_model(vocab=load_tokenizer(tok_path).vocab_size, n_embd=16))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for src in ("wikitext/wikitext.yaml", "wikitext/preprocess_wikitext.py", "piqa/piqa.yaml"):
+        shutil.copy(os.path.join(LM_EVAL_TASKS, src), tasks)  # the real tasks: hub datasets
+    _local_yaml("lambada/lambada_openai.yaml", tasks, {"test": _jsonl(tasks / "l.jsonl", [{"text": "a b c"}])})
+    hf = tmp_path / "hf"
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_CACHE", "HF_HUB_CACHE")}
+    env.update(HF_HOME=str(hf), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HUB_ETAG_TIMEOUT="1",
+               HF_HUB_DOWNLOAD_TIMEOUT="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(ROOT, "eval", "harness.py"), "--ckpt", str(ck), "--device", "cpu",
+           "--tasks", "lambada_openai,wikitext,piqa", "--include_path", str(tasks), "--only_include_path",
+           "--tokenizer", tok_path, "--bootstrap_iters", "0"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if ": cannot reach dataset " in ln]
+    assert len(lines) == 2, p.stderr[-3000:]
+    for line, task, yaml in zip(lines, ("wikitext", "piqa"), ("wikitext.yaml", "piqa.yaml")):
+        path, name = _dataset_of(tasks / yaml)
+        assert line.startswith(f"  {task}: ") and repr(path) in line, line
+        args = ", ".join(map(repr, [path] + ([name] if name else [])))
+        fill = f'python -c "import datasets; datasets.load_dataset({args})"'
+        assert line.endswith(fill), line
+    assert "lambada_openai:" not in p.stderr
+    assert str(hf) in p.stderr and "HF_DATASETS_OFFLINE=1" in p.stderr
+    assert not (tmp_path / "eval.json").exists()
+
+    p = subprocess.run(cmd + ["--tasks", "piqa", "--debug"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode != 0 and "Traceback" in p.stderr and "DatasetsUnreachable" in p.stderr, p.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_scores_match_cpu():
@@ -546,8 +596,10 @@ def test_sample_script(tmp_path, capsys):
     args = ["--ckpt", str(ck), "--start", f"FILE:{prompt}", "--num_samples", "2",
             "--max_new_tokens", "5", "--temperature", "0", "--device", "cpu", "--tokenizer", tok_path]
     sample.main(args)
-    out = capsys.readouterr().out.split("---------------\n")
-    assert len(out) == 3 and out[0] == out[1]  # greedy: both samples identical
+    printed = capsys.readouterr().out
+    assert re.findall(r"^=== sample (\d)/(\d) ===$", printed, re.M) == [("1", "2"), ("2", "2")]
+    out = re.split(r"^=== sample \d/2 ===\n", printed, flags=re.M)[1:]
+    assert len(out) == 2 and out[0] == out[1]  # greedy: both samples identical
     assert out[0].startswith("The capital of France is")
     # the same tokens as greedy decoding by hand through the full forward
     ids = [tok.eos_id] + tok.encode("The capital of France is")

@@ -193,7 +193,9 @@ def test_sample_py_greedy_text(exports, capsys):
     for src in (ckpt, path):  # sample.py on the checkpoint, and on the exported directory
         sample.main(["--ckpt", src, "--start", PROMPT, "--num_samples", "1", "--max_new_tokens", "10",
                      "--temperature", "0", "--device", "cpu"])
-        texts.append(capsys.readouterr().out.split("---------------")[0].rstrip("\n"))
+        header, text = capsys.readouterr().out.split("\n", 1)
+        assert header == "=== sample 1/1 ==="
+        texts.append(text.rstrip("\n"))
     hf, tok = hf_model(path), AutoTokenizer.from_pretrained(path, trust_remote_code=True)
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     out = hf.generate(ids, max_new_tokens=10, do_sample=False)[0, 1:].tolist()
@@ -304,7 +306,7 @@ def test_lm_eval_hf_model_matches_eval_adapter(exports):
     pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate (pip install accelerate)")
     from lm_eval.models.huggingface import HFLM
 
-    from eval.lm_eval import PrismLM
+    from eval.harness import PrismLM
     ckpt, path, model = exports["hybrid"]
     ours = PrismLM(ckpt=ckpt, device="cpu", batch_size=3)
     theirs = HFLM(pretrained=path, trust_remote_code=True, device="cpu", batch_size=3)
@@ -353,7 +355,7 @@ def test_lm_eval_simple_evaluate_local_tasks(exports, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from eval.lm_eval import PrismLM, evaluate
+    from eval.harness import PrismLM, evaluate
     ckpt, path, _ = exports["prism"]
     lam, wiki = tmp_path / "lam.jsonl", tmp_path / "wiki.jsonl"
     lam_docs = ["the cat sat on the mat", "she opened the door and saw a dog", "rain fell all night"]
@@ -474,7 +476,7 @@ def test_save_pretrained_keeps_the_directory_loadable(exports, tmp_path):
 @pytest.mark.parametrize("variant", ["gdn", "transformer"])
 def test_load_exported_gives_the_checkpoint_back(exports, variant):
     pytest.importorskip("lm_eval")
-    from eval.lm_eval import PrismLM
+    from eval.harness import PrismLM
     ckpt, path, model = exports[variant]
     back, args = load_exported(path)
     assert ModelConfig(**args) == model.config and dataclasses.asdict(back.config) == args

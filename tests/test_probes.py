@@ -12,13 +12,7 @@ from eval.probes import (MODELS, NOISE_LO, NULL, ON, OFF, PaperProbeMixer, QRY, 
                          run_one,
                          save_rows, table)
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and the suite shares 2 cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
 TINY = dict(vocab=32, width=8, length=24, mem_width=8, mem_length=24, n_layer=2, batch=8,

@@ -82,13 +82,7 @@ def wait_for_iter(out_dir, it, proc, timeout=120):
     raise AssertionError(f"run did not reach iter {it}")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (2-thread OpenMP spins on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """
 Score a checkpoint with lm-evaluation-harness (its own API and task definitions).
 
-    python eval/lm_eval.py --ckpt out/prism_130m/ckpt.pt                    # all default tasks
-    python eval/lm_eval.py --ckpt out/prism_130m/ckpt.pt --tasks wikitext,lambada_openai --limit 200
+    python eval/harness.py --ckpt out/prism_130m/ckpt.pt                    # all default tasks
+    python eval/harness.py --ckpt out/prism_130m/ckpt.pt --tasks wikitext,lambada_openai --limit 200
     python eval/compare.py out/*/eval.json                                 # side by side
 
 Default tasks: wikitext (word perplexity), lambada_openai (perplexity and accuracy) and the
@@ -10,11 +10,10 @@ zero-shot set lambada_openai, piqa, hellaswag, winogrande, arc_easy, arc_challen
 openbookqa, sciq. Results go to --output (default: eval.json next to the checkpoint) together
 with a markdown table in the paper's layout (also printed, and written next to it as .md).
 
-Why a registered lm-eval `LM` subclass and not a transformers export: our model is one
-nn.Module with its own recurrent cache and kernels. An export would need a transformers
-config + modeling class kept in sync with model.py (or trust_remote_code), and lm-eval's HFLM
-would then drive it through generic code paths (attention masks, padding side, KV-cache
-objects) that do not fit a recurrent state. The adapter below is ~200 lines, calls model.py
+Why a registered lm-eval `LM` subclass beside the transformers export (export_hf.py, which
+lm-eval's own `hf` model can score too): our model is one nn.Module with its own recurrent
+cache and kernels, and HFLM drives a model through generic code paths (attention masks,
+padding side, KV-cache objects) made for attention. The adapter below calls model.py
 directly, and reuses lm-eval's own pieces where the scoring rules live (TemplateLM's
 context/continuation split, get_rolling_token_windows / make_disjoint_window), so the numbers
 follow HFLM's conventions exactly:
@@ -42,12 +41,7 @@ import sys
 import time
 from contextlib import ExitStack, nullcontext
 
-_EVAL_DIR = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_EVAL_DIR)
-# Run as a script, this folder is sys.path[0] and this very file would shadow the lm_eval package.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _EVAL_DIR]
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -278,8 +272,97 @@ def evaluate(lm, tasks, include_path=None, include_defaults=True, limit=None, lo
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown}; check --tasks / --include_path")
-    return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
-                           log_samples=log_samples, bootstrap_iters=bootstrap_iters)
+    try:
+        return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                               log_samples=log_samples, bootstrap_iters=bootstrap_iters)
+    except Exception as e:
+        if not _unreachable(e):
+            raise
+        missing = unreachable_datasets(tm, tasks)
+        raise DatasetsUnreachable(missing, e) from e
+
+
+# ---- offline: which tasks' datasets are out of reach, and how to fill the cache
+_UNREACHABLE = {"ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectError",
+                "ConnectTimeout", "ReadTimeout", "Timeout"}
+
+
+def _unreachable(e):
+    """Does e, or what caused it, say that the hub or a dataset on it could not be reached?"""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if (isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in _UNREACHABLE
+                or "Couldn't reach" in str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def unreachable_datasets(tm, tasks):
+    """The tasks whose dataset cannot be loaded now, as [(task, path, config name, other kwargs)].
+
+    lm-eval loads a task's dataset (datasets.load_dataset) when it builds the task, and stops at
+    the first failure; here every task is built alone, its load_dataset call recorded. The hub is
+    switched off meanwhile: it already failed once, and a dataset in the local cache loads
+    without it, so nothing waits on network retries."""
+    import datasets
+    import huggingface_hub.constants as hub_constants
+    from lm_eval.tasks import get_task_dict
+    calls, real = [], datasets.load_dataset
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
+    datasets.load_dataset = recorded
+    datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    missing = []
+    try:
+        for t in tasks:
+            calls.clear()
+            try:
+                tm.load([t]) if hasattr(tm, "load") else get_task_dict([t], tm)
+            except Exception as e:
+                if not (_unreachable(e) and calls):
+                    raise
+                args, kw = calls[-1]
+                kw = dict(kw)
+                path = kw.pop("path", args[0] if args else None)
+                name = kw.pop("name", args[1] if len(args) > 1 else None)
+                missing.append((t, path, name, kw))
+    finally:
+        datasets.load_dataset = real
+        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
+    return missing
+
+
+def fill_command(path, name=None, kwargs=None):
+    """The command that puts one dataset into the local datasets cache (run where the hub is reachable)."""
+    args = ", ".join([repr(path)] + ([repr(name)] if name is not None else [])
+                     + [f"{k}={v!r}" for k, v in (kwargs or {}).items()])
+    return f'python -c "import datasets; datasets.load_dataset({args})"'
+
+
+class DatasetsUnreachable(Exception):
+    """Some tasks' datasets are neither on a reachable hub nor in the local cache: one line per
+    task with the dataset and the command that fills the cache, then where the cache is."""
+
+    def __init__(self, missing, cause=None):
+        import huggingface_hub.constants as hub_constants
+        self.missing = missing
+        lines = [f"{len(missing)} task(s) have no dataset here (the hub is offline or out of reach, "
+                 "and the local cache lacks them):"]
+        if not missing:  # the failure did not repeat when each task was built alone
+            lines = [f"a dataset could not be reached: {cause}"]
+        for task, path, name, kw in missing:
+            what = f"{path!r}" + (f" (config {name!r})" if name is not None else "")
+            lines.append(f"  {task}: cannot reach dataset {what}; fill the cache: {fill_command(path, name, kw)}")
+        lines.append(f"Run those once where the hub is reachable, with HF_HOME set to the cache this machine "
+                     f"reads ({hub_constants.HF_HOME}), or copy that folder here afterwards; then set "
+                     f"HF_DATASETS_OFFLINE=1. --debug shows the traceback.")
+        super().__init__("\n".join(lines))
 
 
 def _atomic_write(path, text):
@@ -296,30 +379,42 @@ def _parse_limit(s):
     return int(v) if v >= 1 and v.is_integer() else v
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default that is set."""
+
+    def _get_help_string(self, action):
+        unset = action.required or action.default is False or action.default in (None, "", [])
+        return action.help if unset else super()._get_help_string(action)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="score a checkpoint with lm-evaluation-harness")
-    p.add_argument("--ckpt", required=True)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\nOn a CUDA GPU when there is one "
+                                "(bf16), else on the CPU (float32). Writes --output and a .md table beside it.",
+                                formatter_class=_Help)
+    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt)")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma list of lm-eval tasks")
     p.add_argument("--include_path", default=None, help="extra folder of task YAMLs")
     p.add_argument("--only_include_path", action="store_true",
                    help="index only --include_path tasks (skips lm-eval's ~15 s scan of its own)")
-    p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch_size", type=int, default=64, help="requests per forward pass")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--limit", type=_parse_limit, default=None,
-                   help="examples per task (a fraction if < 1); for smoke tests only")
+                   help="examples per task (a fraction if < 1; default: all); for smoke tests only")
     p.add_argument("--output", default=None, help="results JSON (default: eval.json beside --ckpt)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's Mistral model)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="autocast dtype on CUDA (CPU runs float32)")
-    p.add_argument("--max_length", type=int, default=None, help="context window (default block_size)")
-    p.add_argument("--backend", default=None, choices=["naive", "chunk", "triton"])
+    p.add_argument("--max_length", type=int, default=None, help="context window (default: the model's block_size)")
+    p.add_argument("--backend", default=None, choices=["naive", "chunk", "triton"],
+                   help="recurrence backend (default: triton on CUDA, else chunk)")
     p.add_argument("--no_prefix", action="store_true",
                    help="do not start every request with the document-start token")
     p.add_argument("--prefix_id", type=int, default=None,
                    help="document-start token id (default: the tokenizer's EOS, train.bin's separator)")
     p.add_argument("--bootstrap_iters", type=int, default=1000, help="for stderr; 0 = none")
     p.add_argument("--log_samples", action="store_true", help="keep per-example records in the JSON")
-    p.add_argument("--label", default=None, help="row label in the table (default: ckpt folder)")
+    p.add_argument("--label", default=None, help="row label in the table (default: the ckpt's folder name)")
+    p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     args = p.parse_args(argv)
     if args.batch_size < 1:
         p.error("--batch_size must be >= 1")
@@ -328,7 +423,15 @@ def main(argv=None):
         p.error("--tasks is empty")
     if args.only_include_path and not args.include_path:
         p.error("--only_include_path needs --include_path")
+    try:
+        return score(args, tasks)
+    except (DatasetsUnreachable, FileNotFoundError, ValueError) as e:  # bad input or no dataset:
+        if args.debug:                                                 # the message, not a traceback
+            raise
+        sys.exit(f"error: {e}")
 
+
+def score(args, tasks):
     lm = PrismLM(ckpt=args.ckpt, device=args.device, batch_size=args.batch_size,
                  max_length=args.max_length, dtype=args.dtype, add_prefix=not args.no_prefix,
                  prefix_token_id=args.prefix_id, backend=args.backend, tokenizer_path=args.tokenizer)
@@ -361,7 +464,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, ValueError) as e:  # bad input: the message, not a traceback
-        sys.exit(f"error: {e}")
+    main()

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of this repo in one call on one H200, most important first,
-# each under its own time limit so one slow step cannot starve the rest. Results land in $OUT
-# (at most 8 files come back from the device tool): copy them into bench/results/.
+# Every GPU check and benchmark of this repo in one command, most important first, each under its
+# own time limit so that one slow step cannot starve the rest. Needs a CUDA GPU; writes to $OUT
+# (default bench/results): gpu_env.txt, gpu_tests.log, kernel_bench.json, train_bench.json and
+# bench_eval_<date>.json.
 #
-#   device run, kind nvidia-h200, carry [".whl", ".whl_eval"], command:
-#     bash bench/gpu_session.sh            (or STEPS="tests kernel train" to pick)
+#   bash bench/gpu_suite.sh                          # tests kernel train eval
+#   STEPS="tests kernel" bash bench/gpu_suite.sh     # a subset, in this order
 #
 # Env: STEPS, TESTS (pytest paths, default tests), TESTS_TIMEOUT / KERNEL_TIMEOUT / TRAIN_TIMEOUT /
-# EVAL_TIMEOUT (seconds per step; the defaults fit one 10-minute call only for some STEPS: the
-# float64 references make the full GPU test set take over 5 minutes on its own).
-#
-# .whl holds flash-linear-attention + fla-core 0.6.0 (the peer), .whl_eval lm-eval and what it
-# needs that the image lacks; see bench/KERNEL_NOTES.md and eval/lm_eval.py for the downloads.
+# EVAL_TIMEOUT (seconds per step; the float64 references make the full GPU test set take over 5
+# minutes on its own). The kernel and training tables compare against flash-linear-attention
+# (`pip install flash-linear-attention==0.6.0`); on a machine without a package index, wheels put
+# in .whl/ and .whl_eval/ are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -23,6 +23,9 @@ for d in .whl .whl_eval; do
             --target /tmp/site $d/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
     fi
 done
+python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
+    || { echo "gpu_suite.sh: needs a CUDA GPU (torch.cuda.is_available() is False)" >&2; exit 1; }
+mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_env.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 

@@ -1,0 +1,152 @@
+"""The repo as a new user meets it: --help on every script shows its defaults and says when it
+needs a GPU; README's install and test commands are the ones CI runs; every file and link the
+docs name exists in a clone; the test suite has one thread-limiting fixture."""
+import argparse
+import ast
+import importlib.util
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# script -> (its entry point, words its --help must contain)
+SCRIPTS = {
+    "sample.py": ("main", []),
+    "plot.py": ("main", []),
+    "eval/harness.py": ("main", ["CUDA GPU"]),
+    "eval/compare.py": ("main", []),
+    "eval/probes.py": ("main", ["CUDA GPU"]),
+    "data/prepare_slimpajama.py": ("get_args", []),
+    "bench/bench_eval.py": ("main", ["needs a CUDA GPU"]),
+    "bench/bench_prepare.py": ("main", []),
+    "bench/realtext_corpus.py": ("main", []),
+    "bench/profile_model.py": ("main", ["Needs a CUDA GPU"]),
+    "bench/bench_varlen.py": ("main", ["Needs a CUDA GPU"]),
+    "bench/bench_decode.py": ("main", ["needs a CUDA GPU"]),
+    "bench/realtext_seeds.py": ("main", ["Needs a CUDA GPU"]),
+}
+
+
+def _is_set(default):
+    return default is not argparse.SUPPRESS and default is not False and default not in (None, "", [])
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_help_shows_every_default(script, capsys, monkeypatch):
+    """--help exits 0, and every option whose default is set shows that default."""
+    entry, words = SCRIPTS[script]
+    parsers = []
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def grab(self, *a, **kw):
+        parsers.append(self)
+        return real_parse(self, *a, **kw)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, os.path.dirname(script))] + sys.path)
+    if script.startswith("eval/"):  # a package: one module object (lm-eval registers the adapter once)
+        mod = importlib.import_module(script[:-3].replace("/", "."))
+    else:
+        spec = importlib.util.spec_from_file_location(f"_help_{script.replace('/', '_')[:-3]}",
+                                                      os.path.join(ROOT, script))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        getattr(mod, entry)(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage:")
+    for w in words:
+        assert w in " ".join(text.split()), f"{script} --help does not say {w!r}"
+    (p,) = parsers
+    for action in p._actions:
+        if not action.option_strings or not _is_set(action.default) or action.required:
+            continue
+        opt = action.option_strings[-1]
+        block = re.search(rf"^  {re.escape(opt)}\b.*?(?=^  -|\Z)", text, re.M | re.S)
+        assert block, f"{script}: {opt} is not in --help"
+        shown = " ".join(block.group(0).split())
+        assert "default" in shown, f"{script} --help: {opt} does not show its default"
+
+
+def test_one_thread_fixture_is_defined_once():
+    """conftest.py's one_thread is the only one: a test file's own copy would shadow it."""
+    tests = os.path.join(ROOT, "tests")
+    defined = []
+    for f in sorted(os.listdir(tests)):
+        if f.endswith(".py"):
+            for node in ast.walk(ast.parse(open(os.path.join(tests, f)).read())):
+                if isinstance(node, ast.FunctionDef) and node.name == "one_thread":
+                    defined.append(f)
+    assert defined == ["conftest.py"]
+
+
+def test_pytest_ini_says_gpu_tests_are_deselected():
+    ini = open(os.path.join(ROOT, "pytest.ini")).read()
+    gpu = re.search(r"^\s*gpu:(.*)$", ini, re.M).group(1)
+    assert "deselected on CPU" in gpu and "skipped" not in gpu
+    assert re.search(r"^addopts\s*=.*-m \"not gpu\"", ini, re.M)
+
+
+def _tracked_text_files():
+    for dirpath, dirnames, files in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("out", "data", "__pycache__")
+                       or d == ".ci"]
+        for f in files:
+            if f.endswith((".py", ".md", ".sh", ".ini", ".txt")) or f == "run":
+                yield os.path.join(dirpath, f)
+
+
+DOCS = ["README.md", "BENCHMARKS.md", "PRISM_SPEC.md", "bench/KERNEL_NOTES.md"]
+CITING = ["README.md", "BENCHMARKS.md"]
+
+
+def test_spec_sections_cited_in_the_code_exist():
+    """`PRISM_SPEC.md §2.3` anywhere in the repo names a section the spec in the repo has."""
+    spec = open(os.path.join(ROOT, "PRISM_SPEC.md")).read()
+    sections = set(re.findall(r"^#+ (\d+(?:\.\d+)*)\.? ", spec, re.M))
+    cited = {}
+    for f in _tracked_text_files():
+        for n in re.findall(r"PRISM_SPEC(?:\.md)?,? §(\d+(?:\.\d+)*)", open(f, errors="replace").read()):
+            cited.setdefault(n, os.path.relpath(f, ROOT))
+    assert cited and not {n: f for n, f in cited.items() if n not in sections}
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_links_and_paths_resolve_in_a_clone(doc):
+    """Markdown links, and in README/BENCHMARKS the repo paths they name (`bench/results/x.json`),
+    all exist inside the repo: nothing points outside it (../shared) or at a file that is gone."""
+    text = open(os.path.join(ROOT, doc)).read()
+    base = os.path.dirname(os.path.join(ROOT, doc))
+    missing = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if not re.match(r"[a-z]+://", target):
+            path = os.path.normpath(os.path.join(base, target))
+            if not path.startswith(ROOT + os.sep) or not os.path.exists(path):
+                missing.append(target)
+    if doc in CITING:  # the result files a table cites, the scripts a command runs
+        for path in re.findall(r"`((?:bench|config|data|eval|tests)/[\w./-]+\.(?:py|sh|json|jsonl|log|txt|png|md))",
+                               text):
+            if "*" not in path and "<" not in path and not os.path.exists(os.path.join(ROOT, path)):
+                missing.append(path)
+    assert not missing, f"{doc} names what a clone does not have: {missing}"
+
+
+def test_ci_runs_readme_install_and_test_commands():
+    """README's first commands are install, demo, tests; .ci/run runs the install and the tests
+    word for word, and both pin the torch that requirements.txt pins, with its Triton."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
+    install, demo, tests = [ln.split("#")[0].strip() for ln in block.splitlines() if ln.strip()]
+    ci = [ln.strip() for ln in open(os.path.join(ROOT, ".ci", "run")).read().splitlines()]
+    assert any(ln.startswith(install + " ") or ln == install for ln in ci), install
+    assert any(ln.endswith(" " + tests) for ln in ci), tests
+    req = open(os.path.join(ROOT, "requirements.txt")).read()
+    torch_pin = re.search(r"^torch==([\d.]+)\s*$", req, re.M).group(1)
+    assert f"torch=={torch_pin}" in install
+    assert re.search(r"^triton==3\.7\.1\b", req, re.M)  # the Triton CUDA torch 2.13 pins
+    assert demo.startswith("python ")
