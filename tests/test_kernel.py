@@ -8,8 +8,9 @@ every buffer the kernels allocate poisoned with NaN, relative Frobenius error <=
 and <= 1e-2 (bf16, fp16; dg and dve: HALF_TOL) for the output, the final state and every
 gradient: every dtype at every head shape K, V in {64, 128, 256}; L = 1..4 at T in
 {100, 2048, 8191}; 2^20 tokens in one call; packed documents; extreme decays; L = 1 forward
-against flash-linear-attention when it is importable. Run `python bench/bench_kernel.py --warm` first: it compiles every variant these
-tests use in parallel processes instead of one after another inside the tests.
+against flash-linear-attention when it is importable. Run `python bench/bench_kernel.py --warm`
+first: it compiles every variant these tests use in parallel processes instead of one after
+another inside the tests.
 """
 import os
 import subprocess
