@@ -55,8 +55,13 @@ import triton
 import triton.language as tl
 
 # Debug: fill every buffer this module allocates with NaN before the kernels write it, so a
-# test can prove every element it reads back was written.
-POISON = os.environ.get("PRISM_KERNEL_POISON", "0") == "1"
+# test can prove every element it reads back was written (the tests set it).
+POISON = False
+
+
+def _interpreting():
+    # Triton's CPU interpreter (TRITON_INTERPRET=1): the kernels take CPU tensors there
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _empty(*shape, dtype, device):
@@ -739,7 +744,7 @@ def _dot_dtype(dt):
     # The CPU interpreter (Triton 3.6, 3.7 and 3.9 alike) multiplies bf16 bit patterns as integers
     # in tl.dot (float16 is exact): there bf16 operands, already rounded by the loads and stores,
     # are multiplied in float32
-    if dt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if dt == torch.bfloat16 and _interpreting():
         return tl.float32
     return _DOT_DTYPES[dt]
 
@@ -1027,7 +1032,7 @@ def _check(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens):
         raise ValueError(f"chunk_prism: initial_state must be [N,H,K,V] = {(N, H, K, V)} "
                          f"(N = {'sequences in cu_seqlens' if cu_seqlens is not None else 'batch'}), "
                          f"got {tuple(initial_state.shape)}")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not q.is_cuda and not _interpreting():
         raise ValueError("chunk_prism: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
 
 
@@ -1205,7 +1210,7 @@ def causal_conv(x, weight, silu=True, cu_seqlens=None):
     reaches across a sequence start (each sequence sees zeros before its first token)."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
         raise ValueError(f"causal_conv: x must be [B,T,C] and weight [C,W], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not x.is_cuda and not _interpreting():
         raise ValueError("causal_conv: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     pos = None
     if cu_seqlens is not None:
@@ -1232,7 +1237,7 @@ def causal_conv(x, weight, silu=True, cu_seqlens=None):
 # taps and the attention window before it are dropped before the token is processed.
 
 def _launchable(x, name):
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not x.is_cuda and not _interpreting():
         raise ValueError(f"{name}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
 
 
