@@ -14,7 +14,7 @@ Evaluation speed: the lm-eval adapter's scoring throughput and recurrent decodin
 2. Decoding: a 128-token prompt is prefilled, then `--new_tokens` single-token steps run
    through the cache (what model.generate does), at batch 1 and 64. tok/s = batch * steps / time.
 
-Writes --out (default $OUT/bench_eval_<date>.json, OUT defaulting to bench/results) with date,
+Writes --out (default $RESULTS_DIR/bench_eval_<date>.json, RESULTS_DIR defaulting to bench/results) with date,
 device and versions, and prints markdown tables.
 """
 import argparse
@@ -170,7 +170,7 @@ def main(argv=None):
                    help="recurrence backend (default: triton on CUDA, else chunk)")
     p.add_argument("--no_adapter", action="store_true", help="skip the adapter's scoring benchmark")
     p.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
-    p.add_argument("--out", default=None, help="JSON path (default: $OUT/bench_eval_<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: $RESULTS_DIR/bench_eval_<date>.json)")
     args = p.parse_args(argv)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in names if m not in MODELS]
@@ -257,7 +257,7 @@ def main(argv=None):
                   for r in report["decode"]]
     report["table"] = "\n".join(lines) + "\n"
     print(report["table"])
-    out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench", "results"),
+    out = args.out or os.path.join(os.environ.get("RESULTS_DIR") or os.path.join(ROOT, "bench", "results"),
                                    f"bench_eval_{report['date'][:10]}{'_tiny' if args.tiny else ''}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     atomic_write(out, json.dumps(report, indent=2).encode())

@@ -13,8 +13,8 @@ then packed documents (cu_seqlens) against the same tokens as fixed-length rows.
                                                  # this bench launch, in parallel processes
 
 Needs a CUDA GPU. fla is optional (import it if present). Launch choices are set through --bv and
---configs here (PRISM_KERNEL_CONFIG from the environment is not used by this script). Writes $OUT/kernel_bench.json (or
-bench/results/kernel_bench.json when OUT is unset) with the date, GPU and versions.
+--configs here (PRISM_KERNEL_CONFIG from the environment is not used by this script). Writes $RESULTS_DIR/kernel_bench.json (or
+bench/results/kernel_bench.json when RESULTS_DIR is unset) with the date, GPU and versions.
 Targets checked at the end: L=1 <= 0.7x fla, L=3 <= 1.3x our L=1 (every shape), packed
 documents <= 1.1x the same tokens unpacked.
 """
@@ -282,7 +282,7 @@ def main():
             targets.append((f"L=3 <= 1.3x L=1 at {r['B']}x{r['T']} ({variant})", r["fwdbwd_vs_L1"], 1.3))
         if r["impl"].startswith("packed"):
             targets.append((f"{r['impl']} <= 1.1x rows", r["fwdbwd_vs_rows"], 1.1))
-    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench", "results")
+    out_dir = os.environ.get("RESULTS_DIR") or os.path.join(ROOT, "bench", "results")
     path = os.path.join(out_dir, "kernel_bench.json")
     atomic_write(path, json.dumps(dict(meta=meta, rows=rows, profiles=profiles,
                                        targets=[dict(target=t, ratio=v, bound=b, met=v <= b)

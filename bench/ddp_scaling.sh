@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DDP scaling of PRISM-130M: tokens/s on 1 GPU, then on 2 GPUs (torchrun), with the same per-GPU
-# micro-batch and per-GPU accumulation, on synthetic tokens. Writes $OUT/ddp_scaling.json
-# (default OUT=bench/results) plus both runs' stdout. Needs 2 CUDA GPUs; ~2-4 minutes on 2 H200s.
+# micro-batch and per-GPU accumulation, on synthetic tokens. Writes $RESULTS_DIR/ddp_scaling.json
+# (default RESULTS_DIR=bench/results) plus both runs' stdout. Needs 2 CUDA GPUs; ~2-4 minutes on 2 H200s.
 #
 #   bash bench/ddp_scaling.sh                        # defaults below
 #   MICRO=8 ITERS=20 BACKEND=chunk bash bench/ddp_scaling.sh
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 # NVLink multicast (NVLS) stays off: on some hosts it hangs collectives or takes the GPUs down
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-bench/results}
+RESULTS_DIR=${RESULTS_DIR:-bench/results}
 MICRO=${MICRO:-16}          # sequences per GPU per micro-step
 ACCUM=${ACCUM:-2}           # micro-steps per GPU per iteration
 ITERS=${ITERS:-20}
@@ -22,7 +22,7 @@ WARMUP=${WARMUP:-5}
 CONFIG=${CONFIG:-config/prism_130m.py}
 BACKEND=${BACKEND:-}        # empty = model.py's default (triton on CUDA when it imports, else chunk)
 WORK=$(mktemp -d /tmp/ddp_scaling.XXXX)
-mkdir -p "$OUT"
+mkdir -p "$RESULTS_DIR"
 trap 'rm -rf "$WORK"' EXIT
 
 python3 - "$WORK/data/synthetic" <<'PY'
@@ -42,12 +42,12 @@ common=("$CONFIG" --data_dir="$WORK/data" --dataset=synthetic --batch_size="$MIC
 
 echo "== 1 GPU"
 CUDA_VISIBLE_DEVICES=0 python3 train.py "${common[@]}" --out_dir="$WORK/one" \
-    --gradient_accumulation_steps="$ACCUM" 2>&1 | tee "$OUT/ddp_scaling_1gpu.log"
+    --gradient_accumulation_steps="$ACCUM" 2>&1 | tee "$RESULTS_DIR/ddp_scaling_1gpu.log"
 echo "== 2 GPUs"
 python3 -m torch.distributed.run --standalone --nproc_per_node=2 train.py "${common[@]}" --out_dir="$WORK/two" \
-    --gradient_accumulation_steps=$((2 * ACCUM)) 2>&1 | tee "$OUT/ddp_scaling_2gpu.log"
+    --gradient_accumulation_steps=$((2 * ACCUM)) 2>&1 | tee "$RESULTS_DIR/ddp_scaling_2gpu.log"
 
-python3 - "$WORK" "$OUT" "$MICRO" "$ACCUM" "$ITERS" "$WARMUP" "$CONFIG" "${BACKEND:-default}" <<'PY'
+python3 - "$WORK" "$RESULTS_DIR" "$MICRO" "$ACCUM" "$ITERS" "$WARMUP" "$CONFIG" "${BACKEND:-default}" <<'PY'
 import json, re, sys, time
 import torch
 work, out, micro, accum, iters, warmup, config, backend = sys.argv[1:]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of this repo in one command, most important first, each under its
-# own time limit so that one slow step cannot starve the rest. Needs a CUDA GPU; writes to $OUT
+# own time limit so that one slow step cannot starve the rest. Needs a CUDA GPU; writes to $RESULTS_DIR
 # (default bench/results): gpu_env.txt, gpu_tests.log, kernel_bench.json, train_bench.json and
 # bench_eval_<date>.json.
 #
@@ -14,7 +14,7 @@
 # in .whl/ and .whl_eval/ are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
+RESULTS_DIR=${RESULTS_DIR:-bench/results}
 STEPS=${STEPS:-"tests kernel train eval"}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 for d in .whl .whl_eval; do
@@ -25,23 +25,23 @@ for d in .whl .whl_eval; do
 done
 python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
     || { echo "gpu_suite.sh: needs a CUDA GPU (torch.cuda.is_available() is False)" >&2; exit 1; }
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_env.txt"
+mkdir -p "$RESULTS_DIR"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RESULTS_DIR/gpu_env.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if has tests; then  # correctness first: compiled kernels, chunk backend, decoding, eval, all vs float64
     timeout 60 python3 bench/bench_kernel.py --warm > /dev/null 2>&1
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" ${TESTS:-tests} 2>&1 \
-        | tee "$OUT/gpu_tests.log" | tail -5
+        | tee "$RESULTS_DIR/gpu_tests.log" | tail -5
 fi
 if has kernel; then
     timeout ${KERNEL_TIMEOUT:-150} python3 bench/bench_kernel.py 2>&1 | tail -25
 fi
 if has train; then  # transformer / GDN / PRISM L=2,3 / hybrid / fla GDN model, same run
     timeout ${TRAIN_TIMEOUT:-180} python3 bench.py --suite --seqlens=2048,8192,16384 --steps=6 --warmup=2 \
-        --out="$OUT/train_bench.json" 2>&1 | tail -25
+        --out="$RESULTS_DIR/train_bench.json" 2>&1 | tail -25
 fi
 if has eval; then
     timeout ${EVAL_TIMEOUT:-120} python3 bench/bench_eval.py 2>&1 | tail -20
 fi
-ls -la "$OUT"
+ls -la "$RESULTS_DIR"

@@ -7,7 +7,7 @@
 #   bash bench/realtext.sh                     (TOKENS=16777216 = 256 steps of 65,536 tokens)
 #   GPUS="0 1" bash bench/realtext.sh          the models in parallel lanes on two GPUs
 #
-# Writes to $OUT (default out/realtext_result):
+# Writes to $RESULTS_DIR (default out/realtext_result):
 #   realtext_val.png        plot.py: train (smoothed) and val loss against tokens, three models
 #   realtext_summary.json   per model: final val loss and perplexity, the val curve, tokens,
 #                           tokens/s, wall time, exit code; and the val losses at the last
@@ -31,7 +31,7 @@
 # and a few iterations (a smoke test of this script; tests/test_realtext.py runs it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out/realtext_result}
+RESULTS_DIR=${RESULTS_DIR:-out/realtext_result}
 RUNS=${RUNS:-out/realtext}
 MODELS=${MODELS:-"gdn prism hybrid"}
 TINY=${TINY:-0}
@@ -39,7 +39,7 @@ DATA_DIR=${DATA_DIR:-data}
 DATASET=${DATASET:-realtext}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-mkdir -p "$OUT" "$RUNS"
+mkdir -p "$RESULTS_DIR" "$RUNS"
 
 if [ "$TINY" = 1 ]; then
     SIZE="tiny (2.2M)"
@@ -98,25 +98,25 @@ if [ "$PHASE" != summary ]; then
 fi
 [ "$PHASE" = train ] && exit 0
 
-LOG="$OUT/realtext_train.log"
+LOG="$RESULTS_DIR/realtext_train.log"
 : > "$LOG"
 WALL=()
 for m in $MODELS; do
     [ -f "$RUNS/$m/wall.txt" ] || { echo "realtext.sh: $m has no finished run in $RUNS/$m" >&2; continue; }
     WALL+=("$(cat "$RUNS/$m/wall.txt")")
     cat "$RUNS/$m/train.log" >> "$LOG"
-    [ -f "$RUNS/$m/log.jsonl" ] && cp "$RUNS/$m/log.jsonl" "$OUT/realtext_$m.jsonl"
+    [ -f "$RUNS/$m/log.jsonl" ] && cp "$RUNS/$m/log.jsonl" "$RESULTS_DIR/realtext_$m.jsonl"
 done
 
 logs=()
 for m in $MODELS; do [ -s "$RUNS/$m/log.jsonl" ] && logs+=("$RUNS/$m/log.jsonl"); done
 if [ ${#logs[@]} -gt 0 ]; then
-    $PY plot.py "${logs[@]}" --x=tokens --smooth=5 --out="$OUT/realtext_val.png" \
+    $PY plot.py "${logs[@]}" --x=tokens --smooth=5 --out="$RESULTS_DIR/realtext_val.png" \
         --title="GDN / PRISM / hybrid $SIZE: $((ITERS * STEP_TOKENS)) tokens of Debian English (data/realtext)" \
         2>&1 | tee -a "$LOG" | tail -1
 fi
 
-$PY - "$OUT/realtext_summary.json" "$RUNS" "$DATA_DIR/$DATASET" "$ITERS" "$STEP_TOKENS" "$TINY" "${WALL[@]}" <<'EOF'
+$PY - "$RESULTS_DIR/realtext_summary.json" "$RUNS" "$DATA_DIR/$DATASET" "$ITERS" "$STEP_TOKENS" "$TINY" "${WALL[@]}" <<'EOF'
 import json, math, os, re, statistics, subprocess, sys, time
 out, runs, data, iters, step_tokens, tiny, *walls = sys.argv[1:]
 iters, step_tokens = int(iters), int(step_tokens)
@@ -187,4 +187,4 @@ print(f"at iter {last} ({summary['compare_at_tokens']} tokens): "
 for n, m in models.items():
     print(f"  {n}: exit {m['exit_code']}, {m['iters_done']}/{iters} iters, {m['tok_s_median']} tok/s, {m['wall_s']} s")
 EOF
-ls -la "$OUT"
+ls -la "$RESULTS_DIR"

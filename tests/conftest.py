@@ -4,7 +4,7 @@ import pytest
 import torch
 
 # Without a GPU the Triton kernels run in the interpreter. The switch must precede the first
-# `import triton` anywhere in the session (torch.compile / dynamo import it too).
+# `import triton` anywhere in the test run (torch.compile / dynamo import it too).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

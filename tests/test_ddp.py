@@ -70,7 +70,7 @@ def test_ddp_rejects_accumulation_not_divisible_by_world(tmp_path, monkeypatch, 
 
 
 def children(pid):
-    """Child process ids of pid (Linux /proc): torchrun starts its workers in sessions of their own."""
+    """Child process ids of pid (Linux /proc): torchrun starts its workers in process groups of their own."""
     kids = []
     for d in filter(str.isdigit, os.listdir("/proc")):
         try:

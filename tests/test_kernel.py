@@ -391,7 +391,7 @@ def test_gpu_million_tokens_int64_offsets():
     # B=1, T=2^20, H=6, K=128, V=256, L=3, bf16: h/dh hold 6.4e9 elements and ve's token offsets
     # pass 2^31, so every 32-bit product would wrap. Reference: delta_rule_chunk in float32 on the
     # GPU, run segment by segment (forward keeps only the boundary states; backward recomputes
-    # each segment with autograd, last first, carrying the state gradient), so its memory is one
+    # each segment with autograd, last first, passing the state gradient back), so its memory is one
     # segment's. Kernel memory: ~70 GB.
     seed = torch.seed() % 2**31
     gen = torch.Generator(device="cuda").manual_seed(seed)

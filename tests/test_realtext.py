@@ -108,7 +108,7 @@ def test_write_shards_roundtrip(tmp_path):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.parametrize("lanes", ["", "0 1"])
 def test_realtext_sh_tiny(tmp_path, lanes):
-    """The whole device script on CPU: three tiny models, plot, summary, <= 8 files in OUT; with
+    """The whole GPU script on CPU: three tiny models, plot, summary, a few files in RESULTS_DIR; with
     GPUS="0 1" the models train in two parallel lanes and are summarised once."""
     data = tmp_path / "data" / "tok"
     data.mkdir(parents=True)
@@ -123,7 +123,7 @@ def test_realtext_sh_tiny(tmp_path, lanes):
     (data / "meta.json").write_text(json.dumps({"vocab_size": 32000, "tokenizer": "test", "eos_id": 2,
                                                 "train_tokens": 6000, "val_tokens": 1500}))
     out = tmp_path / "result"
-    env = dict(os.environ, TINY="1", TOKENS="1024", OUT=str(out), RUNS=str(tmp_path / "runs"),
+    env = dict(os.environ, TINY="1", TOKENS="1024", RESULTS_DIR=str(out), RUNS=str(tmp_path / "runs"),
                DATA_DIR=str(tmp_path / "data"), DATASET="tok", RUN_TIMEOUT="120", GPUS=lanes)
     p = subprocess.run(["bash", os.path.join(ROOT, "bench", "realtext.sh")], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
