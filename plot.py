@@ -14,6 +14,7 @@ import os
 import sys
 
 from checkpoint import atomic_write
+from cli import HelpFormatter
 
 
 def read_log(path):
@@ -43,16 +44,9 @@ def smooth(ys, window):
     return out
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("logs", nargs="+", help="log.jsonl files written by train.py")
     p.add_argument("--out", default="loss.png", help="output PNG")
     p.add_argument("--x", choices=("iter", "tokens"), default="iter", help="x axis: iterations or tokens (billions)")

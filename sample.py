@@ -18,6 +18,7 @@ from contextlib import ExitStack
 import torch
 
 from checkpoint import load_model
+from cli import HelpFormatter
 
 
 def check_vocab(tokenizer, model):
@@ -33,17 +34,10 @@ def read_prompt(start):
     return start
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip() +
-                                "\n\nRuns on a CUDA GPU when there is one, else on the CPU.", formatter_class=_Help)
+                                "\n\nRuns on a CUDA GPU when there is one, else on the CPU.", formatter_class=HelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt) or an export_hf.py directory")
     p.add_argument("--start", default="", help="prompt text, or FILE:path (default: none, a fresh document)")
     p.add_argument("--num_samples", type=int, default=3, help="samples to draw")

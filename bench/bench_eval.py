@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from eval.harness import PrismLM  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 from settings import model_args_of, parse_config  # noqa: E402
 
 BASE_TINY = dict(n_layer=2, n_embd=64, n_head=2, head_dim=16, expand_v=2.0, vocab_size=512,
@@ -148,16 +149,9 @@ def _version(dist):
         return None
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny models, few requests (CPU smoke test)")
     p.add_argument("--models", default="gdn,prism,transformer,hybrid", help="comma list of " + ", ".join(MODELS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")

@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint import atomic_write  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 from realtext_corpus import fortune_cookies  # noqa: E402
 SCRIPT = os.path.join(ROOT, "data", "prepare_slimpajama.py")
 
@@ -134,16 +135,9 @@ def single_process(docs):
             "segment_cache_warm_tok_per_cpu_s": round(warm)}
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", default=os.path.relpath(os.path.join(ROOT, "bench", "results", "prepare_bench.json")),
                     help="results JSON")
     ap.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="--num_proc values to time")

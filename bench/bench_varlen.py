@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import Model, ModelConfig  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 from settings import model_args_of, parse_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,16 +55,9 @@ def time_ms(fn, steps, warmup=3):
     return sorted(ts)[len(ts) // 2]
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--models", default="gdn,prism", help="comma list of " + ", ".join(MODELS))
     ap.add_argument("--batch_size", type=int, default=16, help="sequences per step")
     ap.add_argument("--block_size", type=int, default=2048, help="tokens per sequence")

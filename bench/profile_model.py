@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import FLA, SUITE, checkpointing, fla_peer, peer_params, suite_config  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 from model import PEAK_FLOPS, Model, training_flops_per_token  # noqa: E402
 
 CATEGORIES = ["matmuls", "recurrence kernels", "conv", "attention", "norms", "loss", "optimizer",
@@ -143,16 +144,9 @@ def profile(model, B, T, vocab, flops_per_token, ours=True, compile=False, steps
     return head + "\n" + text
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--models", default="gdn,prism L=3,fla",
                    help="comma list of bench.py row-name prefixes, fla = the peer")
     p.add_argument("--B", type=int, default=16, help="sequences per step")

@@ -65,6 +65,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from checkpoint import atomic_write  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 
 MAN_PACKAGES = ["manpages", "manpages-dev", "perl-doc", "git-man", "libssl-doc"]
 INFO_PACKAGES = ["bash-doc", "coreutils", "debian-policy", "developers-reference", "diffutils",
@@ -562,16 +563,9 @@ def prepared_record(d):
     return rec
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", default=os.path.relpath(os.path.join(ROOT, "data", "realtext_src")), help="shard folder")
     ap.add_argument("--record", default=os.path.relpath(os.path.join(ROOT, "bench", "results", "realtext_corpus.json")),
                     help="JSON record of the packages, versions and counts")

@@ -79,6 +79,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from cli import HelpFormatter  # noqa: E402
 
 MODELS = ["gdn", "prism", "hybrid", "transformer"]
 CONFIGS = {m: [f"config/{m}_130m.py"] for m in MODELS}
@@ -678,17 +679,10 @@ def plot(res, path, title):
 
 # -----------------------------------------------------------------------------------------------
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
     rel = lambda *p: os.path.relpath(os.path.join(ROOT, *p))  # noqa: E731  (defaults, shown in --help)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--phase", choices=["all", "prepare", "train", "summary", "pack"], default="all",
                     help="all = prepare (if not yet), train, summary; pack = build --pack (CPU, once)")
     ap.add_argument("--tiny", action="store_true", help="tiny CPU configs and a few steps: a smoke test")

@@ -74,6 +74,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from checkpoint import atomic_write  # noqa: E402  (torch-free: the spawned workers import this file)
+from cli import HelpFormatter  # noqa: E402
 from tokenizer import Tokenizer, load_tokenizer, _hub_reachable as hub_reachable  # noqa: E402
 
 SLIMPAJAMA = "cerebras/SlimPajama-627B"
@@ -121,16 +122,9 @@ def set_name(s):
     return s[len("redpajama"):] if s.startswith("redpajama") else s
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--data_files", nargs="+", metavar="GLOB", help="local .jsonl.zst/.jsonl/.parquet/.txt files")
     p.add_argument("--val_files", nargs="+", metavar="GLOB", help="local files for val.bin")
     p.add_argument("--dataset", default=None, help=f"hub dataset to stream (default: {SLIMPAJAMA})")

@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from checkpoint import atomic_write  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 
 # (header, lm-eval task, lm-eval metric key, is_accuracy)
 COLUMNS = [
@@ -82,16 +83,9 @@ def load_results(path):
     return label, d["results"]
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("results", nargs="+", help="results JSON files (eval/harness.py --output, or lm-eval's own)")
     p.add_argument("--labels", default=None, help="comma list, one label per file (default: each file's label)")
     p.add_argument("--output", default=None, help="also write the markdown table here")

@@ -55,6 +55,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from eval.compare import results_table  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 
 DEFAULT_TASKS = ["wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy",
                  "arc_challenge", "boolq", "openbookqa", "sciq"]
@@ -379,18 +380,11 @@ def _parse_limit(s):
     return int(v) if v >= 1 and v.is_integer() else v
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\nOn a CUDA GPU when there is one "
                                 "(bf16), else on the CPU (float32). Writes --output and a .md table beside it.",
-                                formatter_class=_Help)
+                                formatter_class=HelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt)")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma list of lm-eval tasks")
     p.add_argument("--include_path", default=None, help="extra folder of task YAMLs")

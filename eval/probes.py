@@ -106,6 +106,7 @@ if _ROOT not in sys.path:
 
 from model import Model, ModelConfig, ShortConv  # noqa: E402
 from checkpoint import atomic_write  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # token layout
@@ -611,18 +612,11 @@ def table(rows, models=None):
     return "\n".join(lines)
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and shows every default that is set."""
-
-    def _get_help_string(self, action):
-        unset = action.required or action.default is False or action.default in (None, "", [])
-        return action.help if unset else super()._get_help_string(action)
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\nThe full grid wants a CUDA GPU "
                                 "(--device cuda); small grids run on the CPU. Writes --out.",
-                                formatter_class=_Help)
+                                formatter_class=HelpFormatter)
     p.add_argument("--setting", default="paper", choices=sorted(SETTINGS),
                    help="paper: the authors' probe script; paper_text: what the paper's text says")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), help="tasks to run")
