@@ -25,7 +25,6 @@ Both properties are checked on the vocabulary at load; a tokenizer without them 
 encoded by SentencePiece whole.
 """
 
-import hashlib
 import importlib.util
 import os
 import re
@@ -37,19 +36,13 @@ from urllib.parse import urlparse
 import numpy as np
 import sentencepiece as spm
 
+from checkpoint import sha256_file  # torch-free, like this file
+
 MISTRAL_REPO = "mistralai/Mistral-7B-v0.1"
 MISTRAL_SHA256 = "dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055"
 SPACE = "\u2581"  # SentencePiece's visible space
 _LONERS = "\n\r\t\x0b\x0c0123456789"  # characters that may only ever be pieces on their own
 _CACHE_MAX = 500_000  # segments per process (~150 MB); cleared when full
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class Tokenizer:

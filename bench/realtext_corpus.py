@@ -64,7 +64,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from checkpoint import atomic_write  # noqa: E402
+from checkpoint import atomic_write, sha256_file  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 
 MAN_PACKAGES = ["manpages", "manpages-dev", "perl-doc", "git-man", "libssl-doc"]
@@ -554,12 +554,8 @@ def prepared_record(d):
     rec = {k: meta.get(k) for k in ("command", "created_utc", "tokenizer", "tokenizer_sha256", "train_tokens",
                                     "val_tokens", "train_documents", "val_documents", "val_split")}
     for split in ("train", "val"):
-        h = hashlib.sha256()
-        with open(os.path.join(d, f"{split}.bin"), "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                h.update(block)
         rec[f"{split}_bin_bytes"] = os.path.getsize(os.path.join(d, f"{split}.bin"))
-        rec[f"{split}_bin_sha256"] = h.hexdigest()
+        rec[f"{split}_bin_sha256"] = sha256_file(os.path.join(d, f"{split}.bin"))
     return rec
 
 

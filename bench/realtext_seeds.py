@@ -79,6 +79,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from checkpoint import sha256_file  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 
 MODELS = ["gdn", "prism", "hybrid", "transformer"]
@@ -110,14 +111,6 @@ def _interrupt(signum, frame):
 
 def die(msg):
     sys.exit(f"realtext_seeds.py: error: {msg}")
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_json(path, obj):
