@@ -8,7 +8,7 @@ then packed documents (cu_seqlens) against the same tokens as fixed-length rows.
                                                  # local_bk=64 variant), targets, kernel_bench.json
     python bench/bench_kernel.py --bv 16,32,64   # also sweep the state passes' value block
     python bench/bench_kernel.py --configs bv=64 state_bv=16,stages=2   # any launch_config overrides
-    python bench/bench_kernel.py --profile       # per-kernel times (first shape, fla, L=1, L=3)
+    python bench/bench_kernel.py --profile       # per-kernel times (every shape: fla, L=1, L=3)
     python bench/bench_kernel.py --warm          # compile every kernel variant the GPU tests and
                                                  # this bench launch, in parallel processes
 
@@ -195,7 +195,7 @@ def main():
                          "'state_bv=16,stages=2' (default: local_bk=64, the local backward in key "
                          "blocks; pass --configs with nothing after it for none)")
     ap.add_argument("--no-packed", action="store_true", help="skip the packed-documents rows")
-    ap.add_argument("--profile", action="store_true", help="per-kernel times for L=1, L=3 and fla")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times for L=1, L=3 and fla at every shape")
     ap.add_argument("--warm", action="store_true", help="only compile the kernel variants, in parallel")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
@@ -223,8 +223,8 @@ def main():
             xs = make(B, T, H, K, V, 1)
             fn = lambda xs: chunk_gated_delta_rule(*xs[:5])[0]
             rows.append(row("fla", 1, B, T, H, K, V, *measure(fn, xs, do)))
-            if args.profile and (B, T, H, K) == shapes[0]:
-                profiles["fla"] = profile_kernels(fn, xs, do)
+            if args.profile:
+                profiles[f"fla {B}x{T}"] = profile_kernels(fn, xs, do)
             del xs
         for sweep in sweeps:
             prism_kernel.OVERRIDES.clear()
@@ -236,8 +236,8 @@ def main():
                 fn = lambda xs: chunk_prism(*xs)[0]
                 name = f"prism L={L}" + ("" if sweep is None else f" {sweep}")
                 rows.append(row(name, L, B, T, H, K, V, *measure(fn, xs, do), state_bv=chosen))
-                if args.profile and sweep is None and (B, T, H, K) == shapes[0] and L in (1, 3):
-                    profiles[name] = profile_kernels(fn, xs, do)
+                if args.profile and sweep is None and L in (1, 3):
+                    profiles[f"{name} {B}x{T}"] = profile_kernels(fn, xs, do)
                 del xs
         prism_kernel.OVERRIDES.clear()
         del do
@@ -288,7 +288,7 @@ def main():
                                        targets=[dict(target=t, ratio=v, bound=b, met=v <= b)
                                                 for t, v, b in targets]), indent=1).encode())
     for name, prof in profiles.items():
-        print(f"\nper-kernel us per fwd+bwd, {name}, shape {args.shapes[0]}")
+        print(f"\nper-kernel us per fwd+bwd, {name}")
         for k, t in prof:
             print(f"  {t:9.1f}  {k}")
     print(f"\n{dev_name}, bf16, fwd+bwd do_bench median; ratios within this run")

@@ -15,9 +15,11 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import Model, ModelConfig  # noqa: E402
@@ -105,7 +107,9 @@ def main(argv=None):
               f"on/off {on / off:.3f}  peak GiB {peak[False]:.1f} / {peak[True]:.1f}", flush=True)
         del model, fwd
         torch.cuda.empty_cache()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__,
+                command="python bench/bench_varlen.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     atomic_write(args.out, json.dumps(dict(meta=meta, rows=rows), indent=1).encode())
     print(f"wrote {args.out}")
