@@ -15,7 +15,8 @@ Entry points:
 
 Per chunk (local positions t, i; G = in-chunk cumulative log-decay; Gam[t,i] = exp(G_t - G_i)):
     A  = diag(beta) (Gam * strict_tril(K K^T)),   E_l = Gam * strict_tril(K Ke_l^T)
-    Tm = (I + A)^-1                                 (16 x 16 diagonal blocks, then merged)
+    Tm = (I + A)^-1                                 (forward substitution; in half precision
+                                                     16 x 16 diagonal blocks, then merged)
     W  = Tm diag(beta exp(G)) K,   U' = Tm diag(beta) (V - sum_l E_l Ve_l)
     R  = sum_l Ke_l^T diag(exp(G_C - G)) Ve_l       (the rows' own state term: no S0 in it)
     U  = U' - W S0                                  (in the sequential state pass)
@@ -153,39 +154,49 @@ def _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: 
 
 @triton.jit
 def _unit_lower_inverse(b_A, BT: tl.constexpr, F32: tl.constexpr):
-    # (I + A)^-1 for A [BT, BT] float32, strictly lower triangular, in two steps:
+    # (I + A)^-1 for A [BT, BT] float32, strictly lower triangular.
+    # float32 inputs (the reference and debugging path): plain forward substitution, row i =
+    # e_i - sum_{j<i} A[i, j] T[j, :], exact float32 FMAs (BT - 1 sequential steps).
+    # bf16/fp16 inputs, in two steps:
     # 1. forward substitution inside the 16 x 16 diagonal blocks, all NB blocks at once
-    #    ([NB, 16, 16] tensors: 15 steps instead of BT - 1 on the whole matrix);
+    #    ([NB, 16, 16] tensors: 15 steps instead of BT - 1);
     # 2. the blocks merged: with D = (I + diag blocks of A)^-1 and M = D L (L = A below the
     #    diagonal blocks, so M^NB = 0), (I + A)^-1 = (I + M)^-1 D = (I - M + M^2 - ...) D,
     #    NB + 1 tensor-core products. The sum is the block forward substitution written out (no
-    #    series truncated). The products are tf32x3 (about float32) for float32 inputs, else
-    #    tf32 (10-bit mantissa; Tm then feeds bf16/fp16 products, so tf32x3 would buy nothing
-    #    and costs ~1 KB/thread of register spills in _fwd_prep on sm_90).
-    PREC: tl.constexpr = "tf32x3" if F32 else "tf32"
-    BB: tl.constexpr = 16 if BT > 16 else BT
-    NB: tl.constexpr = BT // BB
+    #    series truncated). The products are tf32: Tm then feeds bf16/fp16 products, and
+    #    tf32x3 would cost ~1 KB/thread of register spills in _fwd_prep on sm_90. This is most
+    #    of _fwd_prep's time in half precision: 410 -> 214 us at 8 x 2048, H = 6, K = 128 (H200).
     o_t = tl.arange(0, BT)
-    o_r = tl.arange(0, BB)
-    o_b = tl.arange(0, NB)
-    same = o_b[:, None] == o_b[None, :]
-    # [BT, BT] -> [NB, BB, NB, BB] -> [NB, NB, BB, BB]; the diagonal blocks as [NB, BB, BB]
-    a4 = tl.permute(tl.reshape(b_A, (NB, BB, NB, BB)), (0, 2, 1, 3))
-    a3 = tl.sum(tl.where(same[:, :, None, None], a4, 0.), axis=1)
-    row_i = o_r[None, :, None]
-    t3 = tl.where(row_i == o_r[None, None, :], 1., 0.) + tl.zeros([NB, BB, BB], dtype=tl.float32)
-    for i in range(1, BB):   # row i of each block: e_i - sum_{j<i} A[i, j] T[j, :]
-        a_i = tl.sum(tl.where(row_i == i, a3, 0.), axis=1)
-        r_i = tl.where(o_r == i, 1., 0.)[None, :] - tl.sum(a_i[:, :, None] * t3, axis=1)
-        t3 = tl.where(row_i == i, r_i[:, None, :], t3)
-    d4 = tl.where(same[:, :, None, None], t3[:, None, :, :], 0.)
-    b_D = tl.reshape(tl.permute(d4, (0, 2, 1, 3)), (BT, BT))
     eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    b_M = tl.dot(b_D, tl.where(o_t[:, None] // BB > o_t[None, :] // BB, b_A, 0.), input_precision=PREC)
-    b_X = eye
-    for _ in tl.static_range(NB - 1):   # Horner: X = I - M X, NB - 1 times
-        b_X = eye - tl.dot(b_M, b_X, input_precision=PREC)
-    return tl.dot(b_X, b_D, input_precision=PREC)
+    if F32:
+        b_T = eye
+        for i in range(1, BT):
+            a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.), axis=0)
+            row = -tl.sum(a_i[:, None] * b_T, axis=0) + tl.where(o_t == i, 1., 0.)
+            b_T = tl.where(o_t[:, None] == i, row[None, :], b_T)
+        return b_T
+    else:
+        BB: tl.constexpr = 16 if BT > 16 else BT
+        NB: tl.constexpr = BT // BB
+        o_r = tl.arange(0, BB)
+        o_b = tl.arange(0, NB)
+        same = o_b[:, None] == o_b[None, :]
+        # [BT, BT] -> [NB, BB, NB, BB] -> [NB, NB, BB, BB]; the diagonal blocks as [NB, BB, BB]
+        a4 = tl.permute(tl.reshape(b_A, (NB, BB, NB, BB)), (0, 2, 1, 3))
+        a3 = tl.sum(tl.where(same[:, :, None, None], a4, 0.), axis=1)
+        row_i = o_r[None, :, None]
+        t3 = tl.where(row_i == o_r[None, None, :], 1., 0.) + tl.zeros([NB, BB, BB], dtype=tl.float32)
+        for i in range(1, BB):   # row i of each block: e_i - sum_{j<i} A[i, j] T[j, :]
+            a_i = tl.sum(tl.where(row_i == i, a3, 0.), axis=1)
+            r_i = tl.where(o_r == i, 1., 0.)[None, :] - tl.sum(a_i[:, :, None] * t3, axis=1)
+            t3 = tl.where(row_i == i, r_i[:, None, :], t3)
+        d4 = tl.where(same[:, :, None, None], t3[:, None, :, :], 0.)
+        b_D = tl.reshape(tl.permute(d4, (0, 2, 1, 3)), (BT, BT))
+        b_M = tl.dot(b_D, tl.where(o_t[:, None] // BB > o_t[None, :] // BB, b_A, 0.), input_precision="tf32")
+        b_X = eye
+        for _ in tl.static_range(NB - 1):   # Horner: X = I - M X, NB - 1 times
+            b_X = eye - tl.dot(b_M, b_X, input_precision="tf32")
+        return tl.dot(b_X, b_D, input_precision="tf32")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -795,7 +806,7 @@ def smem_estimate(name, BT, BK, BV, es, NE, stages):
     bench/kernel_regs.py prints the compiled figure next to this one for every configuration."""
     tk, tv, hk, cc = BT * BK * es, BT * BV * es, BK * BV * es, BT * BT * es
     loop, fixed = {
-        "fwd_prep": (tv + NE * (tk + tv), tk + 2 * cc + BK * BV * 4 + BT * BT * 4),
+        "fwd_prep": (tv + NE * (tk + tv), tk + 2 * cc + BK * BV * 4 + 2 * BT * BT * 4),
         "fwd_state": (2 * tk + tv + (hk if NE else 0), BK * BV * 4),
         "fwd_out": (0, 2 * tk + hk + tv + NE * (tk + tv) + BT * BT * 4),
         "bwd_dv_local": (0, 2 * tk + tv + BT * BT * 4),
