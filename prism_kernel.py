@@ -806,7 +806,7 @@ def smem_estimate(name, BT, BK, BV, es, NE, stages):
     bench/kernel_regs.py prints the compiled figure next to this one for every configuration."""
     tk, tv, hk, cc = BT * BK * es, BT * BV * es, BK * BV * es, BT * BT * es
     loop, fixed = {
-        "fwd_prep": (tv + NE * (tk + tv), tk + 2 * cc + BK * BV * 4 + 2 * BT * BT * 4),
+        "fwd_prep": (tv + NE * (tk + tv), tk + 2 * cc + BK * BV * 4 + BT * BT * 4),
         "fwd_state": (2 * tk + tv + (hk if NE else 0), BK * BV * 4),
         "fwd_out": (0, 2 * tk + hk + tv + NE * (tk + tv) + BT * BT * 4),
         "bwd_dv_local": (0, 2 * tk + tv + BT * BT * 4),
