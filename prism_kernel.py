@@ -167,9 +167,8 @@ def _unit_lower_inverse(b_A, BT: tl.constexpr, F32: tl.constexpr):
     #    tf32x3 would cost ~1 KB/thread of register spills in _fwd_prep on sm_90. This is most
     #    of _fwd_prep's time in half precision: 410 -> 214 us at 8 x 2048, H = 6, K = 128 (H200).
     o_t = tl.arange(0, BT)
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
     if F32:
-        b_T = eye
+        b_T = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
         for i in range(1, BT):
             a_i = tl.sum(tl.where(o_t[:, None] == i, b_A, 0.), axis=0)
             row = -tl.sum(a_i[:, None] * b_T, axis=0) + tl.where(o_t == i, 1., 0.)
@@ -192,6 +191,7 @@ def _unit_lower_inverse(b_A, BT: tl.constexpr, F32: tl.constexpr):
             t3 = tl.where(row_i == i, r_i[:, None, :], t3)
         d4 = tl.where(same[:, :, None, None], t3[:, None, :, :], 0.)
         b_D = tl.reshape(tl.permute(d4, (0, 2, 1, 3)), (BT, BT))
+        eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
         b_M = tl.dot(b_D, tl.where(o_t[:, None] // BB > o_t[None, :] // BB, b_A, 0.), input_precision="tf32")
         b_X = eye
         for _ in tl.static_range(NB - 1):   # Horner: X = I - M X, NB - 1 times
