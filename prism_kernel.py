@@ -164,8 +164,8 @@ def _unit_lower_inverse(b_A, BT: tl.constexpr, F32: tl.constexpr):
     #    diagonal blocks, so M^NB = 0), (I + A)^-1 = (I + M)^-1 D = (I - M + M^2 - ...) D,
     #    NB + 1 tensor-core products. The sum is the block forward substitution written out (no
     #    series truncated). The products are tf32: Tm then feeds bf16/fp16 products, and
-    #    tf32x3 would cost ~1 KB/thread of register spills in _fwd_prep on sm_90. This is most
-    #    of _fwd_prep's time in half precision: 410 -> 214 us at 8 x 2048, H = 6, K = 128 (H200).
+    #    tf32x3 would cost ~1 KB/thread of register spills in _fwd_prep on sm_90. The solve was
+    #    most of _fwd_prep's time: blocking it took 410 -> 214 us at 8 x 2048, H = 6, K = 128 (H200).
     o_t = tl.arange(0, BT)
     if F32:
         b_T = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
@@ -846,7 +846,7 @@ def launch_config(K, V, dtype, NE, n_seq):
     # runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk; like fla's dq/dk
     # kernel), at the price of reading dU, U, dO, h and dh once more.
     cfg = dict(
-        fwd_prep=dict(BV=min(Vp, ov.get("prep_bv", bv)), num_warps=8),
+        fwd_prep=dict(BV=bv, num_warps=8),
         fwd_state=dict(BV=state_bv, num_warps=4),
         fwd_out=dict(BV=bv, num_warps=4),
         bwd_dv_local=dict(BV=bv, num_warps=4),
