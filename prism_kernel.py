@@ -121,9 +121,10 @@ def _tile_t(x, off, stride, n_rows, n_cols, BC: tl.constexpr, BR: tl.constexpr):
 
 
 @triton.jit
-def _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    # chunk program -> (its chunk within the sequence, the sequence's first token, its end), the
-    # token indices int64. Fixed length: B sequences of T back to back, chunk id = i_b * NT + i_t.
+def _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # chunk program (chunk i_c, head i_h) -> (its first token t0 (int64), its valid rows nt
+    # (int32: masks stay 32-bit), its chunk-head index ch = i_c * H + i_h (int64)).
+    # Fixed length: B sequences of T back to back, chunk id = i_b * NT + i_t.
     # Packed: chunk_indices[i_c] = (sequence, chunk); every sequence starts a new chunk.
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_c * 2)
@@ -135,7 +136,8 @@ def _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT: tl.constexpr, IS_VARLEN
         i_t = i_c % NT
         bos = (i_c // NT).to(tl.int64) * T
         eos = bos + T
-    return i_t, bos, eos
+    t0 = bos + i_t * BT
+    return t0, (eos - t0).to(tl.int32), i_c.to(tl.int64) * H + i_h
 
 
 @triton.jit
@@ -213,10 +215,7 @@ def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, hr, cu_seqlens, chunk_indic
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
-    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
-    ch = i_c.to(tl.int64) * H + i_h
+    t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
     # in-chunk cumulative log-decay; padded tokens have g = 0, so G stays at its last value
@@ -310,10 +309,7 @@ def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, cu_seqlens, chunk_indices, T, H: 
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
-    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
-    ch = i_c.to(tl.int64) * H + i_h
+    t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     b_gc = tl.load(gc + ch * BT + o_t)
     _, gam_c = _decay_masks(b_gc, BT)
@@ -349,10 +345,7 @@ def _bwd_dv_local(q, k, gc, do, du, scale, cu_seqlens, chunk_indices, T, H: tl.c
                   F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # the output's direct pull on U: dU_local = scale (Gam * tril(Q K^T))^T dO
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
-    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
-    ch = i_c.to(tl.int64) * H + i_h
+    t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     b_gc = tl.load(gc + ch * BT + o_t)
     _, gam_c = _decay_masks(b_gc, BT)
@@ -431,10 +424,7 @@ def _bwd_local(q, k, v, beta, gc, tinv, h, dh, u, du, do,
     # Register budget: only dq, dk ([C, K] float32) and two C x C accumulators live across the
     # value loop; row sums such as k_i . (dS^T u_i) are taken as sum_v u_iv (K dS)_iv instead.
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
-    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
-    ch = i_c.to(tl.int64) * H + i_h
+    t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
     m_s = o_t[:, None] > o_t[None, :]
@@ -541,10 +531,7 @@ def _bwd_local_cc(q, k, v, beta, gc, tinv, h, dh, u, du, do, dv, dbeta, dg, dbp,
     # lives anywhere. M = diag(b) Gam_s * dA and dPs = scale Gam_c * tril(dO U^T) go to mm for
     # _bwd_local_dqk. Same algebra as _bwd_local (see its comments).
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
-    nt = (eos - t0).to(tl.int32)
-    ch = i_c.to(tl.int64) * H + i_h
+    t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
     m_s = o_t[:, None] > o_t[None, :]
@@ -639,10 +626,7 @@ def _bwd_local_dqk(q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk, dqp, dkp,
                    F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # second half: dq, dk for key block i_k (grid [NK, NC, H]), [C, BK] accumulators only
     i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
-    nt = (eos - t0).to(tl.int32)
-    ch = i_c.to(tl.int64) * H + i_h
+    t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
     b_gc = tl.load(gc + ch * BT + o_t)
@@ -703,10 +687,7 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     # (register spills). dke, dve are final; the dq, dk, dbeta and dg contributions go to float32
     # partials that _bwd_local adds. dg's part is this row's own box sum (the box sum is linear).
     i_c, i_h, l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_t, bos, eos = _chunk_coords(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
-    t0 = bos + i_t * BT
-    nt = (eos - t0).to(tl.int32)      # valid rows of the chunk (masks stay 32-bit)
-    ch = i_c.to(tl.int64) * H + i_h
+    t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
     m_s = o_t[:, None] > o_t[None, :]
