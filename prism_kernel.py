@@ -814,9 +814,12 @@ def launch_config(K, V, dtype, NE, n_seq):
     # at 512-byte rows (float32 K = 128, bf16/fp16 K = 256) Triton 3.6 for sm_90 miscompiles
     # chunks of 64: _bwd_state's dots read shared memory out of bounds (illegal memory access,
     # compute-sanitizer). The local backward in key blocks (below) also runs at 32: at 64 its
-    # _bwd_local_cc gives a wrong dv and dbeta for bf16/fp16 (same compiler). Chunks of 32 pass.
+    # _bwd_local_cc with key blocks (cc_bk < K) gives a wrong dv and dbeta for bf16/fp16 (same
+    # compiler). Chunks of 32 pass. local_bk is the dq/dk kernel's key block, cc_bk the first
+    # kernel's: all of K up to 128 (its key loop then runs once).
     local_bk = min(BK, ov.get("local_bk", BK if BK <= 128 else 64))
-    BT = ov.get("chunk", 64 if BK * es <= 256 and local_bk == BK else 32)
+    cc_bk = min(BK, ov.get("cc_bk", BK if BK <= 128 else local_bk))
+    BT = ov.get("chunk", 64 if BK * es <= 256 and cc_bk == BK else 32)
     # state passes: the [BK, BV] float32 state stays in registers (BV = 32 at BK = 128: no spills
     # with ptxas for sm_90); few sequences x heads -> BV 16, twice the programs on the 132 SMs
     state_bv = min(Vp, ov.get("state_bv", 32 if n_seq * triton.cdiv(V, 32) >= 132 else 16))
@@ -834,7 +837,7 @@ def launch_config(K, V, dtype, NE, n_seq):
         bwd_state=dict(BV=state_bv, num_warps=8),
         bwd_rows=dict(BV=bv, num_warps=wide),
         bwd_local=dict(BV=bv, num_warps=wide),
-        bwd_local_cc=dict(BV=min(Vp, ov.get("bv", 16)), BK=local_bk, num_warps=8),
+        bwd_local_cc=dict(BV=min(Vp, ov.get("cc_bv", 16)), BK=cc_bk, num_warps=8),
         bwd_local_dqk=dict(BV=bv, BK=local_bk, num_warps=8),
     )
     if local_bk == BK:
@@ -993,13 +996,13 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables
                             NE=NE, **meta, **cfg["bwd_local"])
     else:   # K in blocks: C x C terms first, then dq, dk per key block
         mm = _empty(NC, H, 2, meta["BT"], meta["BT"], dtype=dt, device=dev)
-        m = dict(meta, BK=cfg["bwd_local_cc"]["BK"])
-        c = {n: x for n, x in cfg["bwd_local_cc"].items() if n != "BK"}
+        c = dict(cfg["bwd_local_cc"])
         _bwd_local_cc[(NC, H)](q, k, v, beta, gc, tinv, h, dh, u, du, do, dv, dbeta, dg, dbp, dgp, mm, scale,
-                               cu, ci, T, H, NE=NE, **m, **c)
-        c = {n: x for n, x in cfg["bwd_local_dqk"].items() if n != "BK"}
-        _bwd_local_dqk[(triton.cdiv(K, m["BK"]), NC, H)](q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk,
-                                                          dqp, dkp, scale, cu, ci, T, H, NE=NE, **m, **c)
+                               cu, ci, T, H, NE=NE, **dict(meta, BK=c.pop("BK")), **c)
+        c = dict(cfg["bwd_local_dqk"])
+        bk = c.pop("BK")
+        _bwd_local_dqk[(triton.cdiv(K, bk), NC, H)](q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk,
+                                                     dqp, dkp, scale, cu, ci, T, H, NE=NE, **dict(meta, BK=bk), **c)
     return dq, dk, dv, dg, dbeta, dke, dve, dh0
 
 

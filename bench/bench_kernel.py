@@ -241,7 +241,7 @@ def main():
                 name = f"prism L={L}" + ("" if sweep is None else f" {sweep}")
                 gpu_us, prof = profile_kernels(fn, xs, do)
                 rows.append(row(name, L, B, T, H, K, V, *measure(fn, xs, do), state_bv=chosen, gpu_us=gpu_us))
-                if args.profile and sweep is None and L in (1, 3):
+                if args.profile and L in (1, 3):
                     profiles[f"{name} {B}x{T}"] = prof
                 del xs
         prism_kernel.OVERRIDES.clear()

@@ -118,10 +118,13 @@ def test_tiny_float32_vs_naive(T, H, K, V, L, h0):
     check_against_naive(1, T, H, K, V, L, torch.float32, 1e-4, h0=h0, seed=1234 + T)
 
 
-@pytest.mark.parametrize("K,L", [(32, 3), (48, 1)])
-def test_tiny_local_backward_in_key_blocks(monkeypatch, K, L):
-    # the two-kernel local backward (launch_config's default at K > 128), here in blocks of 16
+@pytest.mark.parametrize("K,L,cc_bk", [(32, 3, None), (48, 1, None), (32, 2, 16)])
+def test_tiny_local_backward_in_key_blocks(monkeypatch, K, L, cc_bk):
+    # the two-kernel local backward (launch_config's default at K > 128), dq/dk in key blocks of
+    # 16; the first kernel over all of K (its default up to K = 128) or in blocks too
     monkeypatch.setitem(prism_kernel.OVERRIDES, "local_bk", 16)
+    if cc_bk:
+        monkeypatch.setitem(prism_kernel.OVERRIDES, "cc_bk", cc_bk)
     check_against_naive(1, 130, 2, K, 16, L, torch.float32, 1e-4, seed=40 + K)
 
 
@@ -341,13 +344,17 @@ def test_gpu_head_dims(poisoned, dtype, tol, K, V, L):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dtype,tol,K,V,L,bk", [(torch.bfloat16, 1e-2, 128, 256, 3, 64), (torch.float32, 1e-4, 128, 128, 1, 64),
-                                                (torch.float16, 1e-2, 64, 128, 4, 32)])
-def test_gpu_local_backward_in_key_blocks(poisoned, monkeypatch, dtype, tol, K, V, L, bk):
-    # the two-kernel local backward where it is not the default (bench_kernel.py --configs local_bk=64)
+@pytest.mark.parametrize("dtype,tol,K,V,L,bk,cc_bk", [
+    (torch.bfloat16, 1e-2, 128, 256, 3, 64, None), (torch.float32, 1e-4, 128, 128, 1, 64, None),
+    (torch.float16, 1e-2, 64, 128, 4, 32, None), (torch.bfloat16, 1e-2, 128, 256, 3, 64, 64)])
+def test_gpu_local_backward_in_key_blocks(poisoned, monkeypatch, dtype, tol, K, V, L, bk, cc_bk):
+    # the two-kernel local backward where it is not the default (bench_kernel.py --configs local_bk=64);
+    # with cc_bk the first kernel in key blocks too (then in chunks of 32)
     monkeypatch.setitem(prism_kernel.OVERRIDES, "local_bk", bk)
+    if cc_bk:
+        monkeypatch.setitem(prism_kernel.OVERRIDES, "cc_bk", cc_bk)
     errs = check_against_naive(2, 200, 2, K, V, L, dtype, tol)
-    print(f"\nlocal_bk={bk} K={K} V={V} L={L} {dtype}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    print(f"\nlocal_bk={bk} cc_bk={cc_bk} K={K} V={V} L={L} {dtype}: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 
 @pytest.mark.gpu
