@@ -506,7 +506,8 @@ class GatedDeltaNet(nn.Module):
                                        z[..., C:C + H], z[..., C + H:C + 2 * H], state=buf["state"],
                                        reset=cache.reset, gates=(self.A_log, self.dt_bias),
                                        solver=self.solver_step(x, buf, cache.reset), l2norm_qk=True)
-        return self.o_proj(pk.gated_rms_norm(o, z[..., C + 2 * H:], self.o_norm.weight, self.o_norm.eps))
+        gate = z[..., C + 2 * H:C + 2 * H + H * V]
+        return self.o_proj(pk.gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps))
 
 
 class PRISM(GatedDeltaNet):
@@ -570,21 +571,28 @@ class PRISM(GatedDeltaNet):
     def solver_step(self, x, buf, reset):
         """solver_write's projections for the decoding kernel, which forms ke, ve from them
         (prism_kernel.recurrent_prism_step's `solver`): the anchor conv, then one GEMM for the
-        down-projections and step gates and one block-diagonal GEMM for every up-projection."""
+        step gates and every up-projection of its down-projection. Down and up are both linear,
+        so the decoding step multiplies by their product [step_proj; blockdiag(ups) solver_down]
+        (formed once in float32, memoised): one small GEMM per layer and token instead of two."""
         if self.L == 1:
             return None
         cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
         nk, ng, S = self.n_keys, self.n_gains, H * (self.L - 1)
         a = _conv_step(x, buf["anchor"], self.anchor_conv.weight, reset) if cfg.solver_anchor else F.silu(x)
         dt = compute_dtype(x)
-        za = F.linear(a, stacked_weights(self, "solver_in", (self.step_proj, self.solver_down), dt)[0])
-        ups = (self.u_up, *self.key_up, *self.gain_up)  # za = [steps | z]: zero columns skip the steps
-        w_up = memoised(self, ("solver_up", dt), [m.weight for m in ups],
-                        lambda: F.pad(torch.block_diag(*(m.weight for m in ups)), (S, 0)).to(dt))
-        u, keys, gains = F.linear(za, w_up).split([H * V, nk * H * K, ng * H * V], -1)
+        ups = (self.u_up, *self.key_up, *self.gain_up)
+
+        def product():
+            acc = torch.float64 if dt == torch.float64 else torch.float32
+            up = torch.block_diag(*(m.weight.to(acc) for m in ups))
+            return padded_rows(torch.cat([self.step_proj.weight.to(acc), up @ self.solver_down.weight.to(acc)]).to(dt))
+        w = memoised(self, ("solver", dt), [self.step_proj.weight, self.solver_down.weight] +
+                     [m.weight for m in ups], product)
+        sizes = [S, H * V, nk * H * K, ng * H * V]
+        steps, u, keys, gains, _ = F.linear(a, w).split(sizes + [w.shape[0] - sum(sizes)], -1)
         return dict(u=u.view(B, T, H, V), keys=keys.view(B, T, nk, H, K) if nk else None,
                     gains=gains.view(B, T, ng, H, V) if ng else None,
-                    steps=za[..., :S].view(B, T, H, self.L - 1), keys_mode=cfg.solver_keys,
+                    steps=steps.view(B, T, H, self.L - 1), keys_mode=cfg.solver_keys,
                     mode=cfg.solver_mode, nonlinear=cfg.solver_nonlinear)
 
 
@@ -1173,17 +1181,26 @@ def memoised(owner, name, params, build):
     return memo[name][1]
 
 
+def padded_rows(w, multiple=64):
+    """w [N, ...] with zero rows appended up to a multiple of `multiple`. A decoding GEMM's
+    output rows must be 16-byte aligned for cuBLAS's fast kernels: at N = 4620 (GDN's stacked
+    input projection) batch 64 fell back to an sm80 kernel, 11 us per call against 5 us padded
+    to 4672 (H200, bench/bench_decode.py --profile)."""
+    return F.pad(w, (0, 0) * (w.dim() - 1) + (0, -w.shape[0] % multiple))
+
+
 def stacked_weights(owner, name, layers, dtype):
     """(weight, bias) of Linear `layers` that read the same input, stacked along the output in
-    `dtype`: a decoding step does one GEMM instead of len(layers) (memoised)."""
+    `dtype` and padded (padded_rows; callers slice the outputs they need): a decoding step does
+    one GEMM instead of len(layers) (memoised)."""
     params = [p for m in layers for p in m.parameters()]
 
     def build():
-        w = torch.cat([m.weight for m in layers]).to(dtype)
+        w = padded_rows(torch.cat([m.weight for m in layers]).to(dtype))
         if all(m.bias is None for m in layers):
             return w, None
         b = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers]
-        return w, torch.cat(b).to(dtype)
+        return w, padded_rows(torch.cat(b).to(dtype))
     return memoised(owner, (name, dtype), params, build)
 
 

@@ -1526,7 +1526,7 @@ def recurrent_prism_step(q, k, v, g, beta, ke=None, ve=None, scale=None, state=N
     if NE == 0:
         solver = None
     BK = triton.next_power_of_2(K)
-    BV = min(32, triton.next_power_of_2(V))
+    BV = min(OVERRIDES.get("step_bv", 32), triton.next_power_of_2(V))
     o = _empty(B, T, H, V, dtype=v.dtype, device=q.device)
     A_log, dt_bias = gates if gates is not None else (dummy, dummy)
     _recurrent_fwd[(triton.cdiv(V, BV), B * H)](
@@ -1534,7 +1534,7 @@ def recurrent_prism_step(q, k, v, g, beta, ke=None, ve=None, scale=None, state=N
         scale, T, H, s_q, s_k, s_v, s_g, s_b, s_ke, h_ke, l_ke, s_ve, h_ve, l_ve, s_u, s_st,
         K=K, V=V, NE=NE, BK=BK, BV=BV, NORM_QK=bool(l2norm_qk), GATES=gates is not None,
         SOLVER=solver is not None, KEYS=keys_mode, GAIN=gain, MODE=mode, HAS_RESET=has_reset,
-        num_warps=4 if BK * BV <= 4096 else 8)
+        num_warps=OVERRIDES.get("step_warps", 4 if BK * BV <= 4096 else 8))
     return (o[:, 0] if squeeze else o), state
 
 

@@ -45,12 +45,37 @@ def load(name):
     return Model(cfg).cuda().to(torch.bfloat16).eval()
 
 
+PROFILE_STEPS = 16
+
+
+def kernel_profile(step, n=PROFILE_STEPS):
+    """GPU time of one decoding step from torch.profiler over n graph replays: kernels per step,
+    the sum of their durations (the rest of the step is launch gaps) and the 25 largest."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():   # only GPU activities were recorded: kernels, copies, sets
+        t = ev.device_time_total
+        if t > 0:
+            c, s = per.get(ev.name[:70], (0, 0.))
+            per[ev.name[:70]] = (c + 1, s + t)
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])
+    return dict(kernels_per_step=round(sum(c for c, _ in per.values()) / n, 1),
+                gpu_us_per_step=round(sum(s for _, s in per.values()) / n, 1),
+                top=[(k, round(c / n, 1), round(s / n, 1)) for k, (c, s) in top[:25]])
+
+
 @torch.no_grad()
-def measure(model, batch, context, steps, warmup=8):
+def measure(model, batch, context, steps, warmup=8, profile=False):
     """Prefill a random prompt of `context` tokens, then time `steps` graph replays of the
     decoding step (greedy)."""
     vocab = model.config.vocab_size
-    length = context + 1 + 2 + warmup + steps  # prompt, first token, eager warm-up, replays
+    # prompt, first token, eager warm-up, replays, profiled replays
+    length = context + 1 + 2 + warmup + steps + (2 * PROFILE_STEPS if profile else 0)
     cache = model.init_cache(batch, length)
     seq = torch.randint(3, vocab, (batch, length), device="cuda")
     torch.cuda.synchronize()
@@ -58,7 +83,8 @@ def measure(model, batch, context, steps, warmup=8):
     seq[:, context] = sample_next(model.prefill(seq[:, :context], cache), temperature=0)
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
-    step = cuda_graph(model.decode_step(seq, cache, temperature=0), warmup=2)
+    eager = model.decode_step(seq, cache, temperature=0)
+    step = cuda_graph(eager, warmup=2)
     for _ in range(warmup):
         step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -71,7 +97,11 @@ def measure(model, batch, context, steps, warmup=8):
     row = dict(batch=batch, context=context, new_tokens=steps, tok_s=round(batch * 1e3 / ms),
                ms_per_token=round(ms, 4), cache_MiB=round(cache.nbytes() / 2**20, 1),
                prefill_s=round(prefill_s, 3))
-    del cache, seq, step
+    if profile:  # kernels inside graph replays, or (if this profiler does not see those) eager steps
+        row["profile"] = kernel_profile(step)
+        if not row["profile"]["kernels_per_step"]:
+            row["profile"] = dict(kernel_profile(eager), note="eager steps: no kernels seen in graph replays")
+    del cache, seq, step, eager
     torch.cuda.empty_cache()
     return row
 
@@ -133,6 +163,8 @@ def main(argv=None):
     p.add_argument("--batches", default="1,16", help="batch sizes of the context curve")
     p.add_argument("--short_batches", default="1,64", help="batch sizes at prompt 128 + 128 new tokens")
     p.add_argument("--steps", type=int, default=64, help="timed decoding steps per context-curve row")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the short rows' step: kernels per step, their GPU time, the largest")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("error: bench_decode.py needs a CUDA GPU")
@@ -151,7 +183,8 @@ def main(argv=None):
         plan += [("context", b, c, args.steps) for b in ints(args.batches) for c in ints(args.contexts)]
         for kind, b, ctx, steps in plan:
             try:  # one row failing (memory, a kernel) must not lose the others
-                row = dict(model=name, kind=kind, **measure(model, b, ctx, steps))
+                row = dict(model=name, kind=kind, **measure(model, b, ctx, steps,
+                                                            profile=args.profile and kind == "short"))
             except Exception as e:
                 row = dict(model=name, kind=kind, batch=b, context=ctx, error=f"{type(e).__name__}: {e}")
                 torch.cuda.empty_cache()
