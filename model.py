@@ -472,6 +472,9 @@ class GatedDeltaNet(nn.Module):
         H, K, V = self.H, self.K, self.V
         buf = cache.layers[self.layer_idx] if cache is not None else {}
         reset = cache.reset if cache is not None else None
+        # under autocast: cast once here, not once per projection (four casts of x in the
+        # forward, four float32 gradients of x summed in the backward)
+        x = x.to(compute_dtype(x))
         qkv = self.qkv_proj(x)
         fused = backend == "triton"   # Triton short conv too
         q, k, v = self.conv(qkv, buf.get("conv"), reset, fused, seg).split([H * K, H * K, H * V], -1)
@@ -718,6 +721,7 @@ class MLP(nn.Module):
         return self._forward(x)
 
     def _forward(self, x):
+        x = x.to(compute_dtype(x))  # one cast under autocast, not one per projection
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
