@@ -243,8 +243,15 @@ def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
 
 
 def delta_rule(q, k, v, g, beta, ke=None, ve=None, initial_state=None, output_final_state=False,
-               backend="chunk", chunk_size=64, cu_seqlens=None):
-    """Dispatch to a backend. One-token steps always take the naive path (it is the cheapest)."""
+               backend="chunk", chunk_size=64, cu_seqlens=None, l2norm_qk=False):
+    """Dispatch to a backend. One-token steps always take the naive path (it is the cheapest).
+    l2norm_qk: q and k are l2-normalised first (inside the Triton op, which then saves only the
+    normalised copies for the backward)."""
+    if backend == "triton" and q.shape[1] > 1:
+        return _no_compile(_triton_delta_rule)(q, k, v, g, beta, ke, ve, initial_state,
+                                               output_final_state, cu_seqlens, l2norm_qk)
+    if l2norm_qk:  # autocast normalises in float32; hand the recurrence one dtype
+        q, k = (F.normalize(x, dim=-1).to(v.dtype) for x in (q, k))
     if backend == "naive" or q.shape[1] == 1:
         return delta_rule_naive(q, k, v, g, beta, ke, ve, initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
@@ -252,9 +259,6 @@ def delta_rule(q, k, v, g, beta, ke=None, ve=None, initial_state=None, output_fi
         return delta_rule_chunk(q, k, v, g, beta, ke, ve, initial_state=initial_state,
                                 output_final_state=output_final_state, chunk_size=chunk_size,
                                 cu_seqlens=cu_seqlens)
-    if backend == "triton":
-        return _no_compile(_triton_delta_rule)(q, k, v, g, beta, ke, ve, initial_state,
-                                               output_final_state, cu_seqlens)
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -294,10 +298,12 @@ def kernels():
     return importlib.import_module(f"{__package__}.prism_kernel" if __package__ else "prism_kernel")
 
 
-def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state, cu_seqlens=None):
+def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state, cu_seqlens=None,
+                       l2norm_qk=False):
     varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    norm = {"l2norm_qk": True} if l2norm_qk else {}
     return kernels().chunk_prism(q, k, v, g, beta, ke, ve, initial_state=initial_state,
-                                 output_final_state=output_final_state, **varlen)
+                                 output_final_state=output_final_state, **varlen, **norm)
 
 
 def _triton_conv(x, weight, cu_seqlens=None):
@@ -478,16 +484,14 @@ class GatedDeltaNet(nn.Module):
         qkv = self.qkv_proj(x)
         fused = backend == "triton"   # Triton short conv too
         q, k, v = self.conv(qkv, buf.get("conv"), reset, fused, seg).split([H * K, H * K, H * V], -1)
-        v = v.view(B, T, H, V)
-        # autocast runs normalisation in float32; hand the recurrence one dtype
-        q = F.normalize(q.view(B, T, H, K), dim=-1).to(v.dtype)
-        k = F.normalize(k.view(B, T, H, K), dim=-1).to(v.dtype)
+        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)   # q, k l2-normalised in delta_rule
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
         ke, ve = self.solver_write(x, k, v, buf.get("anchor"), reset, fused, seg)
         rule = delta_rule if seg is None else functools.partial(delta_rule_segments, seg)
         o, state = rule(q, k, v, g, beta, ke, ve, initial_state=buf.get("state"),
-                        output_final_state=cache is not None, backend=backend, chunk_size=chunk_size)
+                        output_final_state=cache is not None, backend=backend, chunk_size=chunk_size,
+                        l2norm_qk=True)
         if cache is not None:  # the cache's buffer keeps its address
             buf["state"].copy_(state)
         o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
@@ -543,7 +547,8 @@ class PRISM(GatedDeltaNet):
         return bufs
 
     def solver_write(self, x, k, v, buf=None, reset=None, fused=False, seg=None):
-        """Returns ke [B,T,H,L-1,K] and ve = b * delta [B,T,H,L-1,V] (PRISM_SPEC §2.2)."""
+        """Returns ke [B,T,H,L-1,K] and ve = b * delta [B,T,H,L-1,V] (PRISM_SPEC §2.2); k is the
+        layer's key before its l2 norm."""
         if self.L == 1:
             return None, None
         cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
@@ -556,6 +561,7 @@ class PRISM(GatedDeltaNet):
         gains = [self.gain_up[i](z[1 + self.n_keys + i]).view(B, T, H, V)
                  for i in range(self.n_gains)]
         b = self.step_proj(a).sigmoid().view(B, T, H, self.L - 1)
+        base = F.normalize(k, dim=-1) if cfg.solver_keys == "base" else None
         ke, deltas = [], []
         for l in range(self.L - 1):
             p = gains[l] if cfg.solver_gain else torch.ones_like(r)
@@ -566,7 +572,7 @@ class PRISM(GatedDeltaNet):
             r = r - d                                             # greedy residual subtraction
             deltas.append(d)
             ke.append({"own": keys[l] if self.n_keys > l else None,
-                       "shared": keys[0] if self.n_keys else None, "base": k}[cfg.solver_keys])
+                       "shared": keys[0] if self.n_keys else None, "base": base}[cfg.solver_keys])
         ke = torch.stack(ke, 3)
         ve = torch.stack(deltas, 3) * b[..., None]
         return ke.to(v.dtype), ve.to(v.dtype)

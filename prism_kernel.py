@@ -9,7 +9,7 @@ batches or packed sequences (cu_seqlens).
 
 Entry points:
     chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                output_final_state=False, cu_seqlens=None) -> (o, final_state)   # autograd-aware
+                output_final_state=False, cu_seqlens=None, l2norm_qk=False) -> (o, final_state)
     recurrent_prism_step, conv_step, ...  # decoding against a cache: the last section documents them
     causal_conv(x, weight, silu=True, cu_seqlens=None) -> y   # the layers' short conv, autograd-aware
 
@@ -29,10 +29,15 @@ before exp). The injected rows write without erasing, so the triangular solve st
 Kernels (grid in brackets; NC chunks over all sequences, NV value blocks, N sequences, H heads):
   forward:  _fwd_prep [NC, H] -> G, Tm, W, U', R    _fwd_state [NV, N*H] -> h (chunk states), U
             _fwd_out [NV, NC, H] -> O
-  backward: _bwd_dv_local [NV, NC, H] -> scale P^T dO   _bwd_state [NV, N*H] -> dh (reverse), dU, dS0
+            The forward keeps G, Tm and U for the backward, not W or h (the largest activation).
+  backward: _fwd_w [NC, H] -> W again (from Tm)
+            _bwd_dv_local [NV, NC, H] -> scale P^T dO   _bwd_state [NV, N*H] -> dh (reverse), dU, dS0
             _bwd_rows [NC, H, L-1] -> dke, dve and float32 partials of dq, dk, dbeta, dg
                                       (one injected row per program)
+            _fwd_rows [NV, NC, H] -> R again (L > 1)   _fwd_state (RECOMPUTE) [NV, N*H] -> h again, from U
             _bwd_local [NC, H] -> dq, dk, dv, dbeta, dg (GDN's chunk-local terms + the partials)
+  l2norm_qk=True: _l2norm_fwd / _l2norm_bwd normalise q and k inside the op (and back-propagate
+            through it), so the op keeps only the normalised copies.
 The sequential passes do the same work at every L (R comes precomputed; the backward state
 pass never sees the rows). The injected rows' backward has programs of its own because holding
 their terms and GDN's in one program spilled registers in proportion to L.
@@ -261,14 +266,56 @@ def _fwd_prep(k, v, ke, ve, g, beta, gc, tinv, w, u, hr, cu_seqlens, chunk_indic
 
 
 @triton.jit(do_not_specialize=["T"])
+def _fwd_rows(ke, ve, gc, hr, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              NE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # R = sum_l Ke_l^T diag(exp(G_C - G)) Ve_l per chunk again, as _fwd_prep forms it, for the
+    # backward's state pass: in parallel over chunks, so that pass stays as light as the forward's
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    b_gc = tl.load(gc + ch * BT + o_t)
+    e_end = tl.exp(tl.load(gc + ch * BT + BT - 1) - b_gc)
+    b_r = tl.zeros([BK, BV], dtype=tl.float32)
+    for l in tl.static_range(NE):
+        p_keT, m_keT = _tile_t(ke, ((t0 * H + i_h) * NE + l) * K, H * NE * K, nt, K, BK, BT)
+        p_ve, m_v = _tile(ve, ((t0 * H + i_h) * NE + l) * V, H * NE * V, nt, i_v * BV, V, BT, BV)
+        b_keT = tl.load(p_keT, mask=m_keT, other=0.)
+        b_ve = tl.load(p_ve, mask=m_v, other=0.)
+        b_r += _dot(b_keT, b_ve.to(tl.float32) * e_end[:, None], F32, DT)
+    p_r, m_r = _tile(hr, ch * K * V, V, K, i_v * BV, V, BK, BV)
+    tl.store(p_r, b_r.to(p_r.dtype.element_ty), mask=m_r)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _fwd_w(k, beta, gc, tinv, w, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
+           BT: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # W = Tm diag(beta exp(G)) K again, for the backward (_fwd_prep's product, from the saved Tm:
+    # the dot rounds both operands to the input dtype either way, so it is the same W)
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    b_gc = tl.load(gc + ch * BT + o_t)
+    b_beta = tl.load(beta + t0 * H + i_h + o_t * H, mask=o_t < nt, other=0.).to(tl.float32)
+    p_k, m_k = _tile(k, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    b_T = tl.load(_ptrs(tinv, ch * BT * BT, BT, 0, BT, BT))
+    b_w = _dot(b_T, b_k.to(tl.float32) * (b_beta * tl.exp(b_gc))[:, None], F32, DT)
+    p_w = _ptrs(w, (t0 * H + i_h) * K, H * K, 0, BT, BK)
+    tl.store(p_w, b_w.to(p_w.dtype.element_ty), mask=m_k)
+
+
+@triton.jit(do_not_specialize=["T"])
 def _fwd_state(k, w, u, gc, hr, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                F32: tl.constexpr, DT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-               IS_VARLEN: tl.constexpr):
+               RECOMPUTE: tl.constexpr, IS_VARLEN: tl.constexpr):
     # sequential over one sequence's chunks: store the entering state, turn U' into U, advance
     #   U = U' - W S0;   S' = exp(G_C) S0 + K^T diag(exp(G_C - G)) U + R   (R: the rows, from _fwd_prep)
     # The decay scales the narrow [BT, BV] operand, and K comes transposed from memory.
+    # RECOMPUTE (the backward): u already holds U, so only the chunk states h are rebuilt (not
+    # saved by the forward: they are the largest activation); R comes from _fwd_rows.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, boc = _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -285,16 +332,20 @@ def _fwd_state(k, w, u, gc, hr, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.c
         ch = (boc + i_t) * H + i_h
         p_h, m_h = _tile(h, ch * K * V, V, K, i_v * BV, V, BK, BV)
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=m_h)
-        p_w, m_k = _tile(w, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
         p_kT, m_kT = _tile_t(k, (t0 * H + i_h) * K, H * K, nt, K, BK, BT)
         p_u, m_v = _tile(u, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
-        b_w = tl.load(p_w, mask=m_k, other=0.)
         b_kT = tl.load(p_kT, mask=m_kT, other=0.)
-        b_u = tl.load(p_u, mask=m_v, other=0.).to(tl.float32) - _dot(b_w, b_h, F32, DT)
-        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
+        if RECOMPUTE:
+            b_u = tl.load(p_u, mask=m_v, other=0.).to(tl.float32)
+        else:
+            p_w, m_k = _tile(w, (t0 * H + i_h) * K, H * K, nt, 0, K, BT, BK)
+            b_w = tl.load(p_w, mask=m_k, other=0.)
+            b_u = tl.load(p_u, mask=m_v, other=0.).to(tl.float32) - _dot(b_w, b_h, F32, DT)
+            tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_v)
         b_gc = tl.load(gc + ch * BT + o_t)
         b_gl = tl.load(gc + ch * BT + BT - 1)
-        b_h = b_h * tl.exp(b_gl) + _dot(b_kT, b_u * tl.exp(b_gl - b_gc)[:, None], F32, DT)
+        e_end = tl.exp(b_gl - b_gc)
+        b_h = b_h * tl.exp(b_gl) + _dot(b_kT, b_u * e_end[:, None], F32, DT)
         if NE > 0:
             p_r = _ptrs(hr, ch * K * V, V, i_v * BV, BK, BV)
             b_h += tl.load(p_r, mask=m_h, other=0.).to(tl.float32)
@@ -789,6 +840,9 @@ def smem_estimate(name, BT, BK, BV, es, NE, stages):
     loop, fixed = {
         "fwd_prep": (tv + NE * (tk + tv), tk + 2 * cc + BK * BV * 4 + BT * BT * 4),
         "fwd_state": (2 * tk + tv + (hk if NE else 0), BK * BV * 4),
+        "bwd_h": (tk + tv + (hk if NE else 0), BK * BV * 4),
+        "bwd_r": (0, NE * (tk + tv) + BK * BV * 4),
+        "bwd_w": (0, 2 * tk + cc),
         "fwd_out": (0, 2 * tk + hk + tv + NE * (tk + tv) + BT * BT * 4),
         "bwd_dv_local": (0, 2 * tk + tv + BT * BT * 4),
         "bwd_state": (3 * tk + 2 * tv, BK * BV * 4),
@@ -832,6 +886,9 @@ def launch_config(K, V, dtype, NE, n_seq):
     cfg = dict(
         fwd_prep=dict(BV=bv, num_warps=8),
         fwd_state=dict(BV=state_bv, num_warps=4),
+        bwd_h=dict(BV=state_bv, num_warps=4),
+        bwd_w=dict(BV=bv, num_warps=4),   # BV unused
+        bwd_r=dict(BV=bv, num_warps=4),
         fwd_out=dict(BV=bv, num_warps=4),
         bwd_dv_local=dict(BV=bv, num_warps=4),
         bwd_state=dict(BV=state_bv, num_warps=8),
@@ -950,13 +1007,35 @@ def _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state, cu_seqlens):
     _fwd_prep[(NC, H)](k, v, ke_, ve_, g, beta, gc, tinv, w, u, hr, cu, ci, T, H, NE=NE, **meta,
                        **cfg["fwd_prep"])
     c = cfg["fwd_state"]
-    _fwd_state[(triton.cdiv(V, c["BV"]), N * H)](k, w, u, gc, hr, h, h0, ht, cu, co, T, H, NE=NE, **meta,
-                                                  HAS_H0=h0 is not None, STORE_HT=output_final_state, **c)
+    _fwd_state[(triton.cdiv(V, c["BV"]), N * H)](k, w, u, gc, hr, h, h0, ht, cu, co, T, H, NE=NE,
+                                                  **meta, HAS_H0=h0 is not None, STORE_HT=output_final_state,
+                                                  RECOMPUTE=False, **c)
     del hr
     c = cfg["fwd_out"]
     _fwd_out[(triton.cdiv(V, c["BV"]), NC, H)](q, k, ke_, ve_, u, gc, h, o, scale, cu, ci, T, H, NE=NE,
                                                 **meta, **c)
-    return o, ht, (gc, tinv, w, u, h), tables
+    # h and W are not saved: the backward rebuilds h from U (one sequential pass, like fla's) and
+    # W from Tm (one product per chunk), which keeps the largest activation, [chunks, H, K, V],
+    # and a [B,T,H,K] one out of the memory held between the passes
+    return o, ht, (gc, tinv, u), tables
+
+
+def _chunk_states(k, u, gc, ke, ve, h0, meta, cfg, tables, NE):
+    """The chunk states h [NC,H,K,V] from the saved U (the forward's state pass minus its writes)."""
+    cu, ci, co, N, NC = tables
+    B, T, H, K = k.shape
+    V = u.shape[-1]
+    h = _empty(NC, H, K, V, dtype=k.dtype, device=k.device)
+    hr = h
+    if NE:   # the rows' state term, a temporary the size of h
+        hr = _empty(NC, H, K, V, dtype=k.dtype, device=k.device)
+        c = cfg["bwd_r"]
+        _fwd_rows[(triton.cdiv(V, c["BV"]), NC, H)](ke, ve, gc, hr, cu, ci, T, H, NE=NE, **meta, **c)
+    c = cfg["bwd_h"]
+    _fwd_state[(triton.cdiv(V, c["BV"]), N * H)](k, k, u, gc, hr, h, h0, h, cu, co, T, H, NE=NE,
+                                                  **meta, HAS_H0=h0 is not None, STORE_HT=False,
+                                                  RECOMPUTE=True, **c)
+    return h
 
 
 def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables):
@@ -964,7 +1043,11 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables
     V = v.shape[-1]
     NE, meta, cfg, (cu, ci, co, N, NC) = _setup(q, v, ke, cu_seqlens, tables)
     dev, dt = q.device, q.dtype
-    gc, tinv, w, u, h = saved
+    gc, tinv, u = saved
+    w = _empty(B, T, H, K, dtype=dt, device=dev)
+    c = cfg["bwd_w"]
+    _fwd_w[(NC, H)](k, beta, gc, tinv, w, cu, ci, T, H, K=K, BT=meta["BT"], BK=meta["BK"], F32=meta["F32"],
+                    DT=meta["DT"], IS_VARLEN=meta["IS_VARLEN"], num_warps=c["num_warps"], num_stages=c["num_stages"])
     du = _empty(B, T, H, V, dtype=dt, device=dev)
     dh = _empty(NC, H, K, V, dtype=dt, device=dev)
     dh0 = _empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
@@ -974,6 +1057,7 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables
     _bwd_state[(triton.cdiv(V, c["BV"]), N * H)](q, k, w, gc, do, du, dh, dht, dh0, scale, cu, co, T, H,
                                                   **meta, HAS_DHT=dht is not None,
                                                   STORE_DH0=h0 is not None, **c)
+    del w
     dq = _empty(B, T, H, K, dtype=dt, device=dev)
     dk = _empty(B, T, H, K, dtype=dt, device=dev)
     dv = _empty(B, T, H, V, dtype=dt, device=dev)
@@ -990,6 +1074,7 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables
                                dqp, dkp, dbp, dgp, scale, cu, ci, T, H, NE=NE, **meta, **cfg["bwd_rows"])
     else:
         dqp = dkp = dbp = dgp = dbeta  # GDN: no partials (NE = 0 never reads them)
+    h = _chunk_states(k, u, gc, ke, ve, h0, meta, cfg, (cu, ci, co, N, NC), NE)   # for the local terms only
     if "bwd_local" in cfg:
         _bwd_local[(NC, H)](q, k, v, beta, gc, tinv, h, dh, u, du, do,
                             dq, dk, dv, dbeta, dg, dqp, dkp, dbp, dgp, scale, cu, ci, T, H,
@@ -1006,13 +1091,75 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables
     return dq, dk, dv, dg, dbeta, dke, dve, dh0
 
 
+# q and k l2-normalised inside the op (l2norm_qk=True, as the model's layers call it): the op
+# saves the normalised copies it runs on and their inverse norms, not the raw inputs as well.
+# F.normalize's semantics: x / max(|x|, 1e-12).
+
+@triton.jit
+def _l2norm_fwd(x, y, rn, N, s_n, H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # rows (token n, head i_h) of x [N, H, K] whose token stride is s_n (a view into a wider
+    # tensor, e.g. the short conv's q|k|v output); y [N, H, K] contiguous, rn [N, H] float32
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    o_n = (i_n * BN + tl.arange(0, BN)).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m = (o_n < N)[:, None] & (o_k < K)[None, :]
+    b_x = tl.load(x + o_n[:, None] * s_n + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    b_r = 1. / tl.maximum(tl.sqrt(tl.sum(b_x * b_x, axis=1)), 1e-12)
+    tl.store(y + (o_n * H + i_h)[:, None] * K + o_k[None, :], (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    tl.store(rn + o_n * H + i_h, b_r, mask=o_n < N)
+
+
+@triton.jit
+def _l2norm_bwd(y, rn, dy, dx, N, H: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # dx = r (dy - y <y, dy>) where |x| > eps, else r dy (there x / eps is linear); y, dy, dx [N, H, K]
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    o_n = (i_n * BN + tl.arange(0, BN)).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m = (o_n < N)[:, None] & (o_k < K)[None, :]
+    off = (o_n * H + i_h)[:, None] * K + o_k[None, :]
+    b_y = tl.load(y + off, mask=m, other=0.).to(tl.float32)
+    b_dy = tl.load(dy + off, mask=m, other=0.).to(tl.float32)
+    b_r = tl.load(rn + o_n * H + i_h, mask=o_n < N, other=0.)
+    proj = tl.where(b_r < 1e12, tl.sum(b_y * b_dy, axis=1), 0.)
+    tl.store(dx + off, (b_r[:, None] * (b_dy - b_y * proj[:, None])).to(dx.dtype.element_ty), mask=m)
+
+
+def _l2norm_blocks(K):
+    BK = max(16, triton.next_power_of_2(K))
+    return max(1, 8192 // BK), BK   # ~8K elements per program
+
+
+def _l2norm_rows(x):
+    """(x / max(|x|, eps), 1 / max(|x|, eps)) over the last dim of x [B,T,H,K]; x may be a view
+    whose (B, T) merge into one token stride (a split of a wider [B,T,C])."""
+    B, T, H, K = x.shape
+    if not (x.stride(3) == 1 and x.stride(2) == K and (B == 1 or x.stride(0) == T * x.stride(1))):
+        x = x.contiguous()
+    BN, BK = _l2norm_blocks(K)
+    y = _empty(B, T, H, K, dtype=x.dtype, device=x.device)
+    rn = _empty(B, T, H, dtype=torch.float32, device=x.device)
+    _l2norm_fwd[(triton.cdiv(B * T, BN), H)](x, y, rn, B * T, x.stride(1), H=H, K=K, BN=BN, BK=BK)
+    return y, rn
+
+
+def _l2norm_rows_grad(y, rn, dy):
+    B, T, H, K = y.shape
+    BN, BK = _l2norm_blocks(K)
+    dx = _empty(B, T, H, K, dtype=y.dtype, device=y.device)
+    _l2norm_bwd[(triton.cdiv(B * T, BN), H)](y, rn, dy, dx, B * T, H=H, K=K, BN=BN, BK=BK)
+    return dx
+
+
 class ChunkPrismFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens, l2norm_qk):
+        rq = rk = None
+        if l2norm_qk:
+            (q, rq), (k, rk) = _l2norm_rows(q), _l2norm_rows(k)
         o, ht, saved, tables = _fwd(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state,
                                     cu_seqlens)
-        ctx.save_for_backward(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens, *saved)
+        ctx.save_for_backward(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens, rq, rk, *saved)
         ctx.scale, ctx.tables = scale, tables
         if ht is not None:
             return o, ht
@@ -1020,12 +1167,14 @@ class ChunkPrismFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht=None):
-        q, k, v, g, beta, ke, ve, h0, cu_seqlens, *saved = ctx.saved_tensors
+        q, k, v, g, beta, ke, ve, h0, cu_seqlens, rq, rk, *saved = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dke, dve, dh0 = _bwd(q, k, v, g, beta, ke, ve, ctx.scale, h0, saved,
                                                     do.contiguous(),
                                                     None if dht is None else dht.contiguous(), cu_seqlens,
                                                     ctx.tables)
-        return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dke, dve, None, dh0, None, None)
+        if rq is not None:
+            dq, dk = _l2norm_rows_grad(q, rq, dq), _l2norm_rows_grad(k, rk, dk)
+        return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dke, dve, None, dh0, None, None, None)
 
 
 def _check(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens):
@@ -1063,13 +1212,15 @@ def _check(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens):
 
 
 def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
-                output_final_state=False, cu_seqlens=None):
+                output_final_state=False, cu_seqlens=None, l2norm_qk=False):
     """PRISM / gated delta rule, chunk-parallel Triton kernels; exact semantics of
     model.delta_rule_naive. q, k [B,T,H,K] (already l2-normalised), v [B,T,H,V], g [B,T,H]
     log-decay <= 0, beta [B,T,H], ke [B,T,H,L-1,K], ve [B,T,H,L-1,V] or None (GDN).
     cu_seqlens (int32/int64 [N+1], 0 = start < ... < end = T): B == 1 and the inputs hold N
     sequences back to back, each run from its own initial state (flash-linear-attention's
     convention); no state or chunk crosses a boundary.
+    l2norm_qk: q and k are raw and are l2-normalised here (F.normalize over K), inside the op, so
+    only the normalised copies are kept for the backward; they may be views into a wider tensor.
     Returns (o [B,T,H,V] in v's dtype, final state [N,H,K,V] float32 or None), N = B or len(cu_seqlens)-1."""
     _check(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens)
     if ke is not None and ke.shape[3] == 0:
@@ -1081,12 +1232,14 @@ def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=No
     dt = q.dtype
     for x in (k, v, ke, ve):
         dt = dt if x is None else torch.promote_types(dt, x.dtype)
-    q, k, v, g, beta = (x.to(dt).contiguous() if i < 3 else x.contiguous() for i, x in enumerate((q, k, v, g, beta)))
+    q, k = (x.to(dt) if l2norm_qk else x.to(dt).contiguous() for x in (q, k))   # _l2norm_rows reads views
+    v, g, beta = v.to(dt).contiguous(), g.contiguous(), beta.contiguous()
     if ke is not None:
         ke, ve = ke.to(dt).contiguous(), ve.to(dt).contiguous()
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
-    out = ChunkPrismFunction.apply(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens)
+    out = ChunkPrismFunction.apply(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens,
+                                   bool(l2norm_qk))
     o, ht = out if output_final_state else (out, None)
     return o.to(out_dtype), ht
 
@@ -1095,94 +1248,124 @@ def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=No
 # Causal depthwise short convolution (+ SiLU), the q/k/v and anchor pre-mixing of GDN and PRISM.
 # y[t, c] = act(sum_j w[c, j] x[t - (W-1) + j, c]), zero before t = 0, x and y [B, T, C].
 # cuDNN's depthwise conv1d needs [B, C, T] (two transposed copies) and its backward is slow for
-# thousands of channels; this works on [B, T, C] directly, one read per tap from cache.
+# thousands of channels; these work on [B, T, C] directly. A program's tile is BT // BR rows of
+# BR consecutive tokens by BD channels, and a row's tokens are unrolled into a tuple of
+# registers: a tap s tokens back is the register s places earlier, not another load, so each
+# input is read (BR + W - 1) / BR times in the forward, and the backward recomputes the
+# pre-activation gradient at its W-1 halo tokens in registers instead of a float32 round trip
+# through memory.
 
 @triton.jit
-def _conv_taps_ok(pos, o_t, T, s, VARLEN: tl.constexpr):
-    # rows o_t (absolute in [0, T)) whose tap s tokens back stays inside their own sequence
+def _conv_pos(pos, p, T, VARLEN: tl.constexpr):
+    # pos[p] = p - start of p's sequence (packed sequences); tap s of token p is inside p's
+    # sequence iff s <= pos[p]. Without packing every tap is (zeros before t = 0 come from masks)
     if VARLEN:
-        return (o_t < T) & (s <= tl.load(pos + o_t, mask=o_t < T, other=0))
+        return tl.load(pos + p, mask=(p >= 0) & (p < T), other=0)
     else:
-        return (o_t < T) & (o_t >= s)
+        return p
 
 
-@triton.jit(do_not_specialize=["T"])
-def _conv_fwd(x, w, y, pos, T, C, W: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-              VARLEN: tl.constexpr):
-    # pos[t] = t - (start of t's sequence) for packed sequences: no tap reaches across a start
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_r = tl.arange(0, BT)
-    o_t = i_t * BT + o_r
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    base = (i_b.to(tl.int64) * T + i_t * BT) * C       # row i_t*BT of batch i_b, int64
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
+@triton.jit
+def _conv_load(x, base, p, T, C, o_d, m_d):
+    m = ((p >= 0) & (p < T))[:, None] & m_d[None, :]
+    return tl.load(x + base + p.to(tl.int64)[:, None] * C + o_d[None, :], mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _conv_pre(xs, ws, pp, i, W: tl.constexpr, VARLEN: tl.constexpr):
+    # pre-activation at tuple position i of the outputs: taps xs[i .. i + W-1]
+    acc = xs[i] * 0.
     for j in tl.static_range(W):
         s = W - 1 - j
-        m = _conv_taps_ok(pos, o_t, T, s, VARLEN)[:, None] & m_c[None, :]
-        xj = tl.load(x + base + (o_r - s)[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
-        wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
-        acc += xj * wj[None, :]
-    if ACT:
-        acc = acc * tl.sigmoid(acc)
-    m = (o_t < T)[:, None] & m_c[None, :]
-    tl.store(y + base + o_r[:, None] * C + o_c[None, :], acc.to(y.dtype.element_ty), mask=m)
+        xj = xs[i + j]
+        if VARLEN:
+            xj = tl.where((s <= pp)[:, None], xj, 0.)
+        acc += xj * ws[j][None, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_bwd_pre(x, w, dy, da, dw_part, pos, T, C, NT, W: tl.constexpr, ACT: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr):
-    # da = dy * act'(pre-activation), recomputed here; dw partial sums per (batch, time block)
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_r = tl.arange(0, BT)
-    o_t = i_t * BT + o_r
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    base = (i_b.to(tl.int64) * T + i_t * BT) * C
-    m_out = (o_t < T)[:, None] & m_c[None, :]
-    g = tl.load(dy + base + o_r[:, None] * C + o_c[None, :], mask=m_out, other=0.).to(tl.float32)
-    if ACT:
-        acc = tl.zeros([BT, BC], dtype=tl.float32)
+def _conv_fwd(x, w, y, pos, T, C, W: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr,
+              BD: tl.constexpr, VARLEN: tl.constexpr):
+    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT // BR) * BR     # first token of each row
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < C
+    base = i_b.to(tl.int64) * T * C
+    ws = ()
+    for j in tl.static_range(W):
+        ws += (tl.load(w + o_d * W + j, mask=m_d, other=0.).to(tl.float32),)
+    xs = ()   # xs[i] = x at token o_t + i - (W-1)
+    for i in tl.static_range(BR + W - 1):
+        xs += (_conv_load(x, base, o_t + i - (W - 1), T, C, o_d, m_d),)
+    for i in tl.static_range(BR):
+        p = o_t + i
+        acc = _conv_pre(xs, ws, _conv_pos(pos, p, T, VARLEN), i, W, VARLEN)
+        if ACT:
+            acc = acc * tl.sigmoid(acc)
+        m = (p < T)[:, None] & m_d[None, :]
+        tl.store(y + base + p.to(tl.int64)[:, None] * C + o_d[None, :], acc.to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_bwd(x, w, dy, dx, dw_part, pos, T, C, NT, W: tl.constexpr, ACT: tl.constexpr, BT: tl.constexpr,
+              BR: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr):
+    # da = dy * act'(pre-activation) at the row's tokens and the W-1 after them (recomputed from
+    # x), then dx[t] = sum_j w[j] da[t + s] (s = W-1-j, over the outputs whose tap s reaches t)
+    # and dw partial sums per (batch, time block)
+    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BT + tl.arange(0, BT // BR) * BR
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < C
+    base = i_b.to(tl.int64) * T * C
+    ws = ()
+    for j in tl.static_range(W):
+        ws += (tl.load(w + o_d * W + j, mask=m_d, other=0.).to(tl.float32),)
+    xs = ()   # xs[i] = x at token o_t + i - (W-1)
+    for i in tl.static_range(BR + 2 * W - 2):
+        xs += (_conv_load(x, base, o_t + i - (W - 1), T, C, o_d, m_d),)
+    das, pps = (), ()   # at tokens o_t + i, i < BR + W - 1
+    for i in tl.static_range(BR + W - 1):
+        p = o_t + i
+        pp = _conv_pos(pos, p, T, VARLEN)
+        g = _conv_load(dy, base, p, T, C, o_d, m_d)
+        if ACT:
+            acc = _conv_pre(xs, ws, pp, i, W, VARLEN)
+            sg = tl.sigmoid(acc)
+            g = g * (sg + acc * sg * (1 - sg))
+        das += (g,)
+        pps += (pp,)
+    dws = ()
+    for j in tl.static_range(W):
+        dws += (das[0] * 0.,)
+    for i in tl.static_range(BR):
+        p = o_t + i
+        acc = das[i] * 0.
+        dws_new = ()
         for j in tl.static_range(W):
-            s = W - 1 - j
-            m = _conv_taps_ok(pos, o_t, T, s, VARLEN)[:, None] & m_c[None, :]
-            xj = tl.load(x + base + (o_r - s)[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
-            wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
-            acc += xj * wj[None, :]
-        sg = tl.sigmoid(acc)
-        g = g * (sg + acc * sg * (1 - sg))
-    tl.store(da + base + o_r[:, None] * C + o_c[None, :], g, mask=m_out)
+            # tap s = W-1-j (tuple indices must be constexpr expressions, not assigned names)
+            g = das[i + W - 1 - j]
+            xj = xs[i + j]
+            if VARLEN:
+                g = tl.where((W - 1 - j <= pps[i + W - 1 - j])[:, None], g, 0.)
+                xj = tl.where((W - 1 - j <= pps[i])[:, None], xj, 0.)
+            acc += g * ws[j][None, :]
+            dws_new += (dws[j] + das[i] * xj,)
+        dws = dws_new
+        m = (p < T)[:, None] & m_d[None, :]
+        tl.store(dx + base + p.to(tl.int64)[:, None] * C + o_d[None, :], acc.to(dx.dtype.element_ty), mask=m)
     part = dw_part + (i_b.to(tl.int64) * NT + i_t) * C * W
     for j in tl.static_range(W):
-        s = W - 1 - j
-        m = _conv_taps_ok(pos, o_t, T, s, VARLEN)[:, None] & m_c[None, :]
-        xj = tl.load(x + base + (o_r - s)[:, None] * C + o_c[None, :], mask=m, other=0.).to(tl.float32)
-        tl.store(part + o_c * W + j, tl.sum(g * xj, 0), mask=m_c)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _conv_bwd_dx(da, w, dx, pos, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 VARLEN: tl.constexpr):
-    # dx[t] = sum_j w[j] da[t + s], s = W-1-j, over the outputs t + s whose tap s reaches t
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_r = tl.arange(0, BT)
-    o_t = i_t * BT + o_r
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    base = (i_b.to(tl.int64) * T + i_t * BT) * C
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(W):
-        s = W - 1 - j
-        m = _conv_taps_ok(pos, o_t + s, T, s, VARLEN)[:, None] & m_c[None, :]
-        gj = tl.load(da + base + (o_r + s)[:, None] * C + o_c[None, :], mask=m, other=0.)
-        wj = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
-        acc += gj * wj[None, :]
-    m = (o_t < T)[:, None] & m_c[None, :]
-    tl.store(dx + base + o_r[:, None] * C + o_c[None, :], acc.to(dx.dtype.element_ty), mask=m)
+        tl.store(part + o_d * W + j, tl.sum(dws[j], 0), mask=m_d)
 
 
 def _conv_blocks(T, C):
-    return min(64, triton.next_power_of_2(T)), min(128, triton.next_power_of_2(C))
+    """(BT, BR, BD, num_warps) of the short-conv kernels: BT tokens per program in rows of BR."""
+    ov = OVERRIDES
+    BT = min(ov.get("conv_bt", 64), max(16, triton.next_power_of_2(T)))
+    BR = min(BT, ov.get("conv_br", 16))
+    BD = min(ov.get("conv_bd", 64), max(16, triton.next_power_of_2(C)))   # 128 spills in the backward at 4 warps
+    return BT, BR, BD, ov.get("conv_warps", 4)
 
 
 def _conv_positions(cu_seqlens, T, device):
@@ -1202,11 +1385,11 @@ class CausalConvFunction(torch.autograd.Function):
     def forward(ctx, x, w, act, pos):
         B, T, C = x.shape
         W = w.shape[1]
-        BT, BC = _conv_blocks(T, C)
+        BT, BR, BD, nw = _conv_blocks(T, C)
         y = _empty(B, T, C, dtype=x.dtype, device=x.device)
-        var = dict(VARLEN=pos is not None)
         pos_ = x if pos is None else pos
-        _conv_fwd[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](x, w, y, pos_, T, C, W=W, ACT=act, BT=BT, BC=BC, **var)
+        _conv_fwd[(triton.cdiv(T, BT), triton.cdiv(C, BD), B)](
+            x, w, y, pos_, T, C, W=W, ACT=act, BT=BT, BR=BR, BD=BD, VARLEN=pos is not None, num_warps=nw)
         ctx.save_for_backward(x, w, pos)
         ctx.act = act
         return y
@@ -1216,16 +1399,13 @@ class CausalConvFunction(torch.autograd.Function):
         x, w, pos = ctx.saved_tensors
         B, T, C = x.shape
         W = w.shape[1]
-        BT, BC = _conv_blocks(T, C)
+        BT, BR, BD, nw = _conv_blocks(T, C)
         NT = triton.cdiv(T, BT)
-        grid = (NT, triton.cdiv(C, BC), B)
-        var = dict(VARLEN=pos is not None)
         pos_ = x if pos is None else pos
-        da = _empty(B, T, C, dtype=torch.float32, device=x.device)
         dw_part = _empty(B * NT, C, W, dtype=torch.float32, device=x.device)
-        _conv_bwd_pre[grid](x, w, dy.contiguous(), da, dw_part, pos_, T, C, NT, W=W, ACT=ctx.act, BT=BT, BC=BC, **var)
         dx = _empty(B, T, C, dtype=x.dtype, device=x.device)
-        _conv_bwd_dx[grid](da, w, dx, pos_, T, C, W=W, BT=BT, BC=BC, **var)
+        _conv_bwd[(NT, triton.cdiv(C, BD), B)](x, w, dy.contiguous(), dx, dw_part, pos_, T, C, NT, W=W, ACT=ctx.act,
+                                              BT=BT, BR=BR, BD=BD, VARLEN=pos is not None, num_warps=nw)
         return dx, dw_part.sum(0).to(w.dtype), None, None
 
 

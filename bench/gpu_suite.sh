@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of this repo in one command, most important first, each under its
 # own time limit so that one slow step cannot starve the rest. Needs a CUDA GPU; writes to $RESULTS_DIR
-# (default bench/results): gpu_env.txt, gpu_tests.log, kernel_bench.json, train_bench.json and
+# (default bench/results): gpu_env.txt, gpu_tests.log, kernel_bench.json, conv_bench.json, train_bench.json and
 # bench_eval_<date>.json.
 #
 #   bash bench/gpu_suite.sh                          # tests kernel train eval
@@ -36,6 +36,7 @@ if has tests; then  # correctness first: compiled kernels, chunk backend, decodi
 fi
 if has kernel; then
     timeout ${KERNEL_TIMEOUT:-150} python3 bench/bench_kernel.py 2>&1 | tail -25
+    RESULTS_DIR="$RESULTS_DIR" timeout ${KERNEL_TIMEOUT:-150} python3 bench/bench_conv.py 2>&1 | tail -9
 fi
 if has train; then  # transformer / GDN / PRISM L=2,3 / hybrid / fla GDN model, same run
     timeout ${TRAIN_TIMEOUT:-180} python3 bench.py --suite --seqlens=2048,8192,16384 --steps=6 --warmup=2 \

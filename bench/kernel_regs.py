@@ -38,10 +38,12 @@ FP32_ARGS = {"g", "gc", "dbeta", "dg", "dqp", "dkp", "dbp", "dgp", "h0", "ht", "
 INT_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
 SCALARS = {"scale": "fp32", "T": "i32"}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-KERNELS = dict(fwd_prep=pk._fwd_prep, fwd_state=pk._fwd_state, fwd_out=pk._fwd_out,
+KERNELS = dict(fwd_prep=pk._fwd_prep, fwd_state=pk._fwd_state, bwd_h=pk._fwd_state, bwd_w=pk._fwd_w, bwd_r=pk._fwd_rows, fwd_out=pk._fwd_out,
                bwd_dv_local=pk._bwd_dv_local, bwd_state=pk._bwd_state, bwd_rows=pk._bwd_rows,
                bwd_local=pk._bwd_local, bwd_local_cc=pk._bwd_local_cc, bwd_local_dqk=pk._bwd_local_dqk)
-FLAGS = dict(fwd_state=dict(HAS_H0=True, STORE_HT=True), bwd_state=dict(HAS_DHT=True, STORE_DH0=True))
+FLAGS = dict(fwd_state=dict(HAS_H0=True, STORE_HT=True, RECOMPUTE=False),
+             bwd_h=dict(HAS_H0=True, STORE_HT=False, RECOMPUTE=True),   # _fwd_state rebuilding h
+             bwd_state=dict(HAS_DHT=True, STORE_DH0=True))
 
 
 def compile_sm90(kernel, consts, dtype, num_warps, num_stages):
@@ -79,7 +81,7 @@ def report(K, V, dtype, L, n_seq, kernels, ptxas, varlen=False):
                 DT=pk._DOT_DTYPES[dtype], IS_VARLEN=varlen)
     worst = 0
     for name in kernels:
-        if name not in cfg or (name == "bwd_rows" and NE == 0):
+        if name not in cfg or (name in ("bwd_rows", "bwd_r") and NE == 0):
             continue
         c = cfg[name]
         consts = dict(base, BV=c["BV"], BK=c.get("BK", BK), **FLAGS.get(name, {}))

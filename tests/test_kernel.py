@@ -153,6 +153,51 @@ def test_extreme_decays_stay_finite():
         compare(out, ref, 1e-4, tag=f"g in {g_range} seed=3")
 
 
+def check_l2norm_qk(B, T, H, K, V, L, dtype, tol, device=DEV, seed=0):
+    """chunk_prism(l2norm_qk=True) on raw q, k that are views into a wider [B,T,C] tensor (as the
+    model's short conv hands them over), one row near zero (norm below F.normalize's eps), against
+    F.normalize then the float64 token loop: output and every gradient, those of the raw q, k."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = make_inputs(B, T, H, K, V, L, device, gen=gen)
+    qkv = torch.randn(B, T, 2 * H * K + 8, generator=gen).to(device) * 3
+    qkv[0, 1, :K] *= 1e-14   # q's first head at token 1: |q| < 1e-12
+    qkv = qkv.to(dtype)
+
+    def run(fn, cast, l2):
+        raw = qkv.to(cast).detach().requires_grad_()
+        q, k = raw[..., :H * K].view(B, T, H, K), raw[..., H * K:2 * H * K].view(B, T, H, K)
+        if not l2:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        rest = [None if x is None else x.to(torch.float32 if i in (1, 5) and cast != torch.float64 else cast)
+                .detach().requires_grad_() for i, x in enumerate(xs[2:])]
+        v, g, beta, ke, ve, s0 = rest
+        kw = {"l2norm_qk": True} if l2 else {}
+        o, ht = fn(q, k, v, g, beta, ke, ve, initial_state=s0, output_final_state=True, **kw)
+        g_ = torch.Generator().manual_seed(1)
+        do = torch.randn(o.shape, generator=g_, dtype=torch.float64).to(device)
+        dht = torch.randn(ht.shape, generator=g_, dtype=torch.float64).to(device)
+        ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+        dq, dk = raw.grad[..., :H * K].view(B, T, H, K), raw.grad[..., H * K:2 * H * K].view(B, T, H, K)
+        return [o, ht, dq, dk] + [None if x is None else x.grad for x in rest[:-1]] + [rest[-1].grad]
+
+    ref = run(delta_rule_naive, torch.float64, False)
+    out = run(chunk_prism, dtype, True)
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dke", "dve", "dh0"]
+    for name, a, b in zip(names, out, ref):
+        if b is None:
+            assert a is None
+            continue
+        assert torch.isfinite(a).all(), f"l2norm_qk {name}: non-finite"
+        e = rel_err(a, b)
+        lim = max(tol, HALF_TOL.get(name, 0.)) if tol >= 1e-2 else tol
+        assert e <= lim, f"l2norm_qk B={B} T={T} K={K} L={L} {dtype} {name}: rel err {e:.1e}"
+
+
+def test_l2norm_inside_the_op():
+    check_l2norm_qk(2, 70, 2, 16, 16, 3, torch.float32, 1e-4)
+    check_l2norm_qk(1, 33, 1, 32, 16, 1, torch.float32, 1e-4, seed=1)
+
+
 def test_matches_chunk_backend_and_defaults():
     gen = torch.Generator().manual_seed(5)
     q, k, v, g, beta, ke, ve, _ = make_inputs(1, 70, 2, 16, 16, 3, DEV, gen=gen, h0=False)
@@ -577,6 +622,18 @@ def test_causal_conv_packed_equals_separate(silu):
     check_conv_packed([1, 2, 3, 63, 64, 65, 130], 10, 4, silu, torch.float32, 1e-6, seed=5)
 
 
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_causal_conv_small_tiles(monkeypatch, W):
+    """Tiles of several rows of a few tokens and a channel block smaller than C: every tap and
+    halo crosses a row, a program and a channel-block boundary somewhere."""
+    monkeypatch.setitem(prism_kernel.OVERRIDES, "conv_bt", 16)
+    monkeypatch.setitem(prism_kernel.OVERRIDES, "conv_br", 4)
+    monkeypatch.setitem(prism_kernel.OVERRIDES, "conv_bd", 16)
+    assert prism_kernel._conv_blocks(100, 40)[:3] == (16, 4, 16)
+    check_conv(2, 45, 40, W, True, torch.float32, 1e-5)
+    check_conv_packed([1, 2, 5, 16, 17, 30], 20, W, True, torch.float32, 1e-6, seed=W)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
@@ -584,3 +641,11 @@ def test_gpu_causal_conv(poisoned, dtype, tol):
     check_conv(3, 2500, 3072, 4, True, dtype, tol)
     check_conv(1, 100, 768, 4, False, dtype, tol)
     check_conv_packed([1, 3, 64, 1000, 2047, 777], 3072, 4, True, dtype, tol, seed=torch.seed() % 2**31)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+def test_gpu_l2norm_inside_the_op(poisoned, dtype, tol):
+    check_l2norm_qk(2, 300, 6, 128, 256, 3, dtype, tol)
+    check_l2norm_qk(1, 130, 2, 64, 64, 1, dtype, tol, seed=1)
