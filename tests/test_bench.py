@@ -92,7 +92,10 @@ def test_kernel_categories():
     assert category("triton_red_fused__to_copy_exp_sub_0", ["linear_cross_entropy"]) == "loss"
     assert category("_fwd_state", ["ChunkPrismFunction"]) == "recurrence kernels"
     assert category("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", []) == "recurrence kernels"
-    assert category("_conv_bwd_pre", ["CausalConvFunctionBackward"]) == "conv"
+    assert category("_conv_bwd", ["CausalConvFunctionBackward"]) == "conv"
+    # the recurrence's own helpers count as recurrence whatever the launcher stack looks like
+    for name in ("_fwd_w", "_fwd_rows", "_l2norm_fwd", "_l2norm_bwd"):
+        assert category(name, []) == "recurrence kernels", name
     assert category("triton_per_fused__to_copy_mean_mul_pow_rsqrt_3", []) == "norms"
     assert category("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", []) == "optimizer"
     assert category("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>",
