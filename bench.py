@@ -12,7 +12,8 @@ fla's FusedCrossEntropyLoss (its model's default) and Liger-Kernel's, where impo
     python bench.py --loss --out=bench/results/loss_bench.json
 
 Suite rows: the 130M config files (transformer with FlashAttention when importable, else SDPA;
-GDN; PRISM L=2 and L=3; hybrid) and flash-linear-attention's GatedDeltaNetForCausalLM of the same
+GDN; PRISM L=2 and L=3, and L=3 with recompute_solver=False; hybrid; --models picks rows by
+name or name prefix) and flash-linear-attention's GatedDeltaNetForCausalLM of the same
 shape, run as its users run it: its own defaults (fused norm, SwiGLU and cross-entropy), labels
 passed so it computes its loss, eager and compiled. A row that fails (out of memory, a compile
 error) becomes an error row and the suite goes on. Every row's MFU is model.training_flops_per_token
@@ -38,12 +39,14 @@ from model import PEAK_FLOPS, Model, ModelConfig, linear_cross_entropy, training
 from settings import UserError, model_args_of, parse_config
 
 # the table's rows: the 130M config files themselves, plus an override where a row differs
+# (config keys, then Model attributes: run-time choices that compute the same function)
 SUITE = [
-    ("transformer", "config/transformer_130m.py", {}),
-    ("gdn", "config/gdn_130m.py", {}),
-    ("prism L=2", "config/prism_130m.py", dict(solver_steps=2)),
-    ("prism L=3", "config/prism_130m.py", {}),
-    ("hybrid (prism L=3 + attn 5,11)", "config/hybrid_130m.py", {}),
+    ("transformer", "config/transformer_130m.py", {}, {}),
+    ("gdn", "config/gdn_130m.py", {}, {}),
+    ("prism L=2", "config/prism_130m.py", dict(solver_steps=2), {}),
+    ("prism L=3", "config/prism_130m.py", {}, {}),
+    ("prism L=3 (solver saved)", "config/prism_130m.py", {}, dict(recompute_solver=False)),
+    ("hybrid (prism L=3 + attn 5,11)", "config/hybrid_130m.py", {}, {}),
 ]
 FLA = "fla GatedDeltaNet"  # the peer's row name (select it with --models=fla)
 
@@ -202,11 +205,14 @@ def run_row(results, device, fields, build):
 def run_suite(args, device):
     res = Results(args.out, device, tokens_per_step=args.tokens_per_step, steps=args.steps,
                   warmup=args.warmup, activation_checkpointing=args.activation_checkpointing)
-    wanted = lambda name: args.models is None or any(name.startswith(m) for m in args.models)
+    names = {r[0] for r in SUITE} | {"fla"}
+    # a name selects the row it names, else every row it begins
+    wanted = lambda name: args.models is None or any(name == m or (m not in names and name.startswith(m))
+                                                     for m in args.models)
     from model import _flash_attn
     for T in args.seqlens:
         B = max(1, args.tokens_per_step // T)
-        for name, path, over in SUITE:
+        for name, path, over, attrs in SUITE:
             if not wanted(name):
                 continue
             attn = "transformer" in name
@@ -214,10 +220,12 @@ def run_suite(args, device):
                 fields = dict(model=name, backend=("flash" if _flash_attn else "sdpa") if attn else backend,
                               compile=args.compile, ckpt=args.activation_checkpointing, B=B, T=T)
 
-                def build(path=path, over=over, backend=backend):
+                def build(path=path, over=over, attrs=attrs, backend=backend):
                     cfg = suite_config(path, over, block_size=T)
                     torch.manual_seed(0)
                     m = Model(cfg, backend=backend)
+                    for key, value in attrs.items():
+                        setattr(m, key, value)
                     m.activation_checkpointing = args.activation_checkpointing
                     m.fused_loss = args.fused_loss
                     return bench_model(m, B, T, cfg.vocab_size, device, m.flops_per_token(T),
@@ -410,7 +418,7 @@ def arg_parser():
     s.add_argument("--tokens_per_step", type=int, default=32768, metavar="N", help="B = this // T; default 32768")
     s.add_argument("--backends", default=None, metavar="B,..", help="comma list for the recurrent rows; default triton on CUDA, else chunk")
     s.add_argument("--models", default=None, metavar="NAMES",
-                   help="comma list of row-name prefixes, e.g. 'gdn,prism L=3,fla'; default all")
+                   help="comma list of row names or name prefixes, e.g. 'gdn,prism L=3,fla'; default all")
     s.add_argument("--fla_modes", default="eager,compile", metavar="MODES", help="the peer's rows; default eager,compile")
     lo = p.add_argument_group("--loss")
     lo.add_argument("--loss_rows", metavar="N", type=int, default=32768, help="N = B*T; default 32768")

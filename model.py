@@ -9,7 +9,7 @@ Read top to bottom:
   5. training arithmetic         chunked linear cross-entropy (no full logits), FLOPs per token
   6. decoding                    the static Cache, one-GEMM decode weights, sampling, CUDA graphs
 
-The PRISM update lives in one place: `PRISM.solver_write` (PRISM_SPEC.md §2). It turns the
+The PRISM update lives in one place: `PRISM.solver_rows` (PRISM_SPEC.md §2). It turns the
 layer input into L-1 extra (key, value) pairs per token; the recurrence writes them into the
 state without erasing, next to GDN's own delta-rule write:
 
@@ -248,8 +248,10 @@ def delta_rule(q, k, v, g, beta, ke=None, ve=None, initial_state=None, output_fi
     l2norm_qk: q and k are l2-normalised first (inside the Triton op, which then saves only the
     normalised copies for the backward)."""
     if backend == "triton" and q.shape[1] > 1:
-        return _no_compile(_triton_delta_rule)(q, k, v, g, beta, ke, ve, initial_state,
-                                               output_final_state, cu_seqlens, l2norm_qk)
+        # fixed length: custom ops that torch.compile keeps in its graph; packed sequences
+        # (cu_seqlens) read their chunk tables on the host, so compiled code breaks there
+        fn = _triton_delta_rule if cu_seqlens is None else _no_compile(_triton_delta_rule)
+        return fn(q, k, v, g, beta, ke, ve, initial_state, output_final_state, cu_seqlens, l2norm_qk)
     if l2norm_qk:  # autocast normalises in float32; hand the recurrence one dtype
         q, k = (F.normalize(x, dim=-1).to(v.dtype) for x in (q, k))
     if backend == "naive" or q.shape[1] == 1:
@@ -290,12 +292,19 @@ def _no_compile(fn):
     return torch.compiler.disable(fn)
 
 
+_KERNELS = None
+
+
 def kernels():
     """prism_kernel (Triton), imported on first use. It is the file beside this one: a top-level
     module in this repo, a sibling submodule in a directory written by export_hf.py. Imported through
     importlib, not an import statement: transformers' remote-code loader requires every module that
-    an import statement names to be installed, and this one needs Triton, which CPU users may lack."""
-    return importlib.import_module(f"{__package__}.prism_kernel" if __package__ else "prism_kernel")
+    an import statement names to be installed, and this one needs Triton, which CPU users may lack.
+    Kept in a global, which torch.compile reads as a constant (default_backend imports it first)."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = importlib.import_module(f"{__package__}.prism_kernel" if __package__ else "prism_kernel")
+    return _KERNELS
 
 
 def _triton_delta_rule(q, k, v, g, beta, ke, ve, initial_state, output_final_state, cu_seqlens=None,
@@ -392,8 +401,8 @@ class ShortConv(nn.Module):
         if buf is not None:
             return _conv_step(x, buf, self.weight, reset) if fused else self.cached(x, buf, reset)
         if fused:
-            if seg is None:
-                return _no_compile(_triton_conv)(x, self.weight)
+            if seg is None:   # a custom op in a compiled graph (see delta_rule)
+                return _triton_conv(x, self.weight)
             y = _no_compile(_triton_conv)(x.reshape(1, B * T, C), self.weight, seg.cu_seqlens)
             return y.view(B, T, C)
         w = self.width - 1
@@ -436,6 +445,7 @@ class GatedDeltaNet(nn.Module):
         self.layer_idx = layer_idx
         D, H, K, V = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.value_dim
         self.cfg, self.H, self.K, self.V = cfg, H, K, V
+        self.L = 1   # writes per token (PRISM: L)
         self.q_proj = nn.Linear(D, H * K, bias=cfg.bias)
         self.k_proj = nn.Linear(D, H * K, bias=cfg.bias)
         self.v_proj = nn.Linear(D, H * V, bias=cfg.bias)
@@ -487,6 +497,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)   # q, k l2-normalised in delta_rule
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         beta = self.b_proj(x).sigmoid()
+        if self.L > 1:  # one copy of v, saved by both the solver rows and the recurrence
+            v = v.contiguous()
         ke, ve = self.solver_write(x, k, v, buf.get("anchor"), reset, fused, seg)
         rule = delta_rule if seg is None else functools.partial(delta_rule_segments, seg)
         o, state = rule(q, k, v, g, beta, ke, ve, initial_state=buf.get("state"),
@@ -538,6 +550,7 @@ class PRISM(GatedDeltaNet):
         self.key_up = nn.ModuleList(nn.Linear(r, H * K, bias=False) for _ in range(n_keys))
         self.gain_up = nn.ModuleList(nn.Linear(r, H * V, bias=False) for _ in range(n_gains))
         self.step_proj = nn.Linear(D, H * (L - 1), bias=False)   # b^(l), per head and step
+        self.recompute = True   # solver_write: recompute the rows in the backward (Model.recompute_solver)
 
     def cache_buffers(self, batch_size, max_len, device, dtype):
         bufs = super().cache_buffers(batch_size, max_len, device, dtype)
@@ -551,6 +564,18 @@ class PRISM(GatedDeltaNet):
         layer's key before its l2 norm."""
         if self.L == 1:
             return None, None
+        base = F.normalize(k, dim=-1) if self.cfg.solver_keys == "base" else None
+        if self.recompute and buf is None and torch.is_grad_enabled():
+            # keep the inputs x and v (held for the layer's other backward terms anyway), not
+            # the anchor, the up-projections and the residuals: the backward reruns the anchor
+            # conv, the small GEMMs and the elementwise chain
+            return checkpoint(self.solver_rows, x, v, base, fused, seg, use_reentrant=False)
+        return self.solver_rows(x, v, base, fused, seg, buf, reset)
+
+    def solver_rows(self, x, v, base, fused=False, seg=None, buf=None, reset=None):
+        """Algorithm 1 from the layer input x [B,T,D] and its values v [B,T,H,V]: the anchor, its
+        rank-r down-projections, the step gates b, then the greedy residual steps (base: the
+        layer's own normalised keys, for solver_keys="base")."""
         cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
         a = self.anchor_conv(x, buf, reset, fused, seg) if cfg.solver_anchor else F.silu(x)
         z = self.solver_down(a).split(cfg.solver_rank, -1)
@@ -561,7 +586,6 @@ class PRISM(GatedDeltaNet):
         gains = [self.gain_up[i](z[1 + self.n_keys + i]).view(B, T, H, V)
                  for i in range(self.n_gains)]
         b = self.step_proj(a).sigmoid().view(B, T, H, self.L - 1)
-        base = F.normalize(k, dim=-1) if cfg.solver_keys == "base" else None
         ke, deltas = [], []
         for l in range(self.L - 1):
             p = gains[l] if cfg.solver_gain else torch.ones_like(r)
@@ -762,7 +786,9 @@ class Model(nn.Module):
     run-time choices that compute the same function: attributes, not hyperparameters. So are
     `activation_checkpointing` (True: every block keeps only its input and is rerun in the
     backward; "mlp": only the MLPs are, the cheap-to-recompute half holding the widest
-    activations; False: nothing is recomputed) and `fused_loss` (True: the loss is
+    activations; False: nothing is recomputed), `recompute_solver` (True, the default: PRISM
+    layers rerun their solver write in the backward from the layer's input and values, instead
+    of saving its anchor, [B,T,H,V] up-projections and residuals) and `fused_loss` (True: the loss is
     linear_cross_entropy, which never holds the [B*T, vocab] logits; None = on CUDA; False:
     logits, then F.cross_entropy)."""
 
@@ -776,6 +802,7 @@ class Model(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.activation_checkpointing = False
+        self.recompute_solver = True
         self.norm_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -823,6 +850,24 @@ class Model(nn.Module):
         self._checkpointing = mode
         for b in self.blocks:
             b.mlp.recompute = mode == "mlp"
+        self._set_solver_recompute()
+
+    @property
+    def recompute_solver(self):
+        return self._recompute_solver
+
+    @recompute_solver.setter
+    def recompute_solver(self, on):
+        self._recompute_solver = bool(on)
+        self._set_solver_recompute()
+
+    def _set_solver_recompute(self):
+        # inside a block that is itself rerun (activation_checkpointing=True) the solver's own
+        # recompute would only run it a third time
+        on = getattr(self, "_recompute_solver", True) and self._checkpointing is not True
+        for b in self.blocks:
+            if isinstance(b.mixer, PRISM):
+                b.mixer.recompute = on
 
     @property
     def chunk_size(self):

@@ -12,6 +12,8 @@ Entry points:
                 output_final_state=False, cu_seqlens=None, l2norm_qk=False) -> (o, final_state)
     recurrent_prism_step, conv_step, ...  # decoding against a cache: the last section documents them
     causal_conv(x, weight, silu=True, cu_seqlens=None) -> y   # the layers' short conv, autograd-aware
+Fixed-length calls run as torch.library custom ops (<module>::chunk_fwd / chunk_bwd, conv_fwd /
+conv_bwd, with fake-tensor shapes), so torch.compile keeps a model using them in one graph.
 
 Per chunk (local positions t, i; G = in-chunk cumulative log-decay; Gam[t,i] = exp(G_t - G_i)):
     A  = diag(beta) (Gam * strict_tril(K K^T)),   E_l = Gam * strict_tril(K Ke_l^T)
@@ -55,6 +57,8 @@ in their own dtype (like flash-linear-attention), the saved chunk states h and p
 are kept in that dtype.
 """
 import os
+import re
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -1150,7 +1154,103 @@ def _l2norm_rows_grad(y, rn, dy):
     return dx
 
 
+# torch.compile: the fixed-length recurrence is a pair of torch.library custom ops (forward and
+# backward, each with a fake-tensor shape function, tied by register_autograd), so a compiled
+# model stays one graph through every layer: no graph break per call, and Inductor fuses and
+# plans memory across the op instead of around a break. The forward returns what its backward
+# needs as extra outputs. Packed sequences (cu_seqlens) size their chunk tables from the data
+# (a host read) and keep the autograd.Function below (compiled code breaks the graph there).
+# The namespace is the module's name: the copy export_hf.py writes registers ops of its own.
+_NS = re.sub(r"\W", "_", __name__)
+
+
+def _ops():
+    return getattr(torch.ops, _NS)
+
+
+@torch.library.custom_op(f"{_NS}::chunk_fwd", mutates_args=())
+def _chunk_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  ke: Optional[torch.Tensor], ve: Optional[torch.Tensor], h0: Optional[torch.Tensor],
+                  scale: float, output_final_state: bool, l2norm_qk: bool
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, ht, q and k as normalised, their inverse norms, G, Tm, U); a tensor that does not
+    apply is empty ([0]): ht without output_final_state, the four norm outputs without l2norm_qk."""
+    qn, kn, rq, rk = (q.new_empty(0, dtype=d) for d in (q.dtype, q.dtype, torch.float32, torch.float32))
+    if l2norm_qk:
+        (q, rq), (k, rk) = _l2norm_rows(q), _l2norm_rows(k)
+        qn, kn = q, k
+    o, ht, (gc, tinv, u), _ = _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state, None)
+    return o, q.new_empty(0, dtype=torch.float32) if ht is None else ht, qn, kn, rq, rk, gc, tinv, u
+
+
+@_chunk_fwd_op.register_fake
+def _(q, k, v, g, beta, ke, ve, h0, scale, output_final_state, l2norm_qk):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BT = launch_config(K, V, q.dtype, 0 if ke is None else ke.shape[3], B * H)[0]
+    NC = B * ((T + BT - 1) // BT)
+    f32 = torch.float32
+    ht = q.new_empty(B, H, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
+    norm = ((q.new_empty(B, T, H, K), q.new_empty(B, T, H, K), q.new_empty(B, T, H, dtype=f32),
+             q.new_empty(B, T, H, dtype=f32)) if l2norm_qk else
+            (q.new_empty(0), q.new_empty(0), q.new_empty(0, dtype=f32), q.new_empty(0, dtype=f32)))
+    return (q.new_empty(B, T, H, V), ht, *norm, q.new_empty(NC, H, BT, dtype=f32),
+            q.new_empty(NC, H, BT, BT), q.new_empty(B, T, H, V))
+
+
+@torch.library.custom_op(f"{_NS}::chunk_bwd", mutates_args=())
+def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  ke: Optional[torch.Tensor], ve: Optional[torch.Tensor], h0: Optional[torch.Tensor],
+                  gc: torch.Tensor, tinv: torch.Tensor, u: torch.Tensor, rq: torch.Tensor, rk: torch.Tensor,
+                  do: torch.Tensor, dht: Optional[torch.Tensor], scale: float, l2norm_qk: bool
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta [float32], dke, dve, dh0); dke, dve, dh0 are empty where their
+    input is absent. With l2norm_qk, q and k are the normalised copies and dq, dk are the raw
+    inputs' gradients."""
+    dq, dk, dv, dg, dbeta, dke, dve, dh0 = _bwd(q, k, v, g, beta, ke, ve, scale, h0, (gc, tinv, u),
+                                                do.contiguous(), None if dht is None else dht.contiguous(),
+                                                None, None)
+    if l2norm_qk:
+        dq, dk = _l2norm_rows_grad(q, rq, dq), _l2norm_rows_grad(k, rk, dk)
+    return (dq, dk, dv, dg, dbeta, *(q.new_empty(0) if x is None else x for x in (dke, dve)),
+            q.new_empty(0, dtype=torch.float32) if dh0 is None else dh0)
+
+
+@_chunk_bwd_op.register_fake
+def _(q, k, v, g, beta, ke, ve, h0, gc, tinv, u, rq, rk, do, dht, scale, l2norm_qk):
+    f32 = torch.float32
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), g.new_empty(g.shape, dtype=f32),
+            beta.new_empty(beta.shape, dtype=f32),
+            *(q.new_empty(0) if x is None else torch.empty_like(x) for x in (ke, ve)),
+            q.new_empty(0, dtype=f32) if h0 is None else torch.empty_like(h0, dtype=f32))
+
+
+def _chunk_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, ke, ve, h0, scale, _, l2norm_qk = inputs
+    _, _, qn, kn, rq, rk, gc, tinv, u = output
+    if l2norm_qk:   # the backward runs on the normalised copies, not the raw inputs
+        q, k = qn, kn
+    ctx.save_for_backward(q, k, v, g, beta, ke, ve, h0, gc, tinv, u, rq, rk)
+    ctx.scale, ctx.l2norm_qk = scale, l2norm_qk
+    ctx.mark_non_differentiable(*output[2:])
+
+
+def _chunk_backward(ctx, do, dht, *_):
+    q, k, v, g, beta, ke, ve, h0, gc, tinv, u, rq, rk = ctx.saved_tensors
+    dht = None if dht is None or dht.numel() == 0 else dht
+    dq, dk, dv, dg, dbeta, dke, dve, dh0 = _ops().chunk_bwd(
+        q, k, v, g, beta, ke, ve, h0, gc, tinv, u, rq, rk, do, dht, ctx.scale, ctx.l2norm_qk)
+    return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), None if ke is None else dke,
+            None if ve is None else dve, None if h0 is None else dh0, None, None, None)
+
+
+_chunk_fwd_op.register_autograd(_chunk_backward, setup_context=_chunk_setup_context)
+
+
 class ChunkPrismFunction(torch.autograd.Function):
+    # packed sequences (cu_seqlens); fixed-length batches take the custom ops above
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens, l2norm_qk):
@@ -1238,6 +1338,10 @@ def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=No
         ke, ve = ke.to(dt).contiguous(), ve.to(dt).contiguous()
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
+    if cu_seqlens is None:
+        o, ht = _ops().chunk_fwd(q, k, v, g, beta, ke, ve, initial_state, scale,
+                                                     bool(output_final_state), bool(l2norm_qk))[:2]
+        return o.to(out_dtype), (ht if output_final_state else None)
     out = ChunkPrismFunction.apply(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens,
                                    bool(l2norm_qk))
     o, ht = out if output_final_state else (out, None)
@@ -1379,34 +1483,78 @@ def _conv_positions(cu_seqlens, T, device):
     return cache[key]
 
 
+def _conv_forward(x, w, act, pos):
+    B, T, C = x.shape
+    BT, BR, BD, nw = _conv_blocks(T, C)
+    y = _empty(B, T, C, dtype=x.dtype, device=x.device)
+    _conv_fwd[(triton.cdiv(T, BT), triton.cdiv(C, BD), B)](
+        x, w, y, x if pos is None else pos, T, C, W=w.shape[1], ACT=act, BT=BT, BR=BR, BD=BD,
+        VARLEN=pos is not None, num_warps=nw)
+    return y
+
+
+def _conv_backward(x, w, dy, act, pos):
+    B, T, C = x.shape
+    BT, BR, BD, nw = _conv_blocks(T, C)
+    NT = triton.cdiv(T, BT)
+    dw_part = _empty(B * NT, C, w.shape[1], dtype=torch.float32, device=x.device)
+    dx = _empty(B, T, C, dtype=x.dtype, device=x.device)
+    _conv_bwd[(NT, triton.cdiv(C, BD), B)](x, w, dy.contiguous(), dx, dw_part, x if pos is None else pos, T, C, NT,
+                                          W=w.shape[1], ACT=act, BT=BT, BR=BR, BD=BD, VARLEN=pos is not None,
+                                          num_warps=nw)
+    return dx, dw_part.sum(0).to(w.dtype)
+
+
+# fixed-length batches: custom ops, as the recurrence's (compiled models keep one graph)
+@torch.library.custom_op(f"{_NS}::conv_fwd", mutates_args=())
+def _conv_fwd_op(x: torch.Tensor, w: torch.Tensor, act: bool) -> torch.Tensor:
+    return _conv_forward(x, w, act, None)
+
+
+@_conv_fwd_op.register_fake
+def _(x, w, act):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(f"{_NS}::conv_bwd", mutates_args=())
+def _conv_bwd_op(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, act: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _conv_backward(x, w, dy, act, None)
+
+
+@_conv_bwd_op.register_fake
+def _(x, w, dy, act):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(w)
+
+
+def _conv_setup_context(ctx, inputs, output):
+    x, w, act = inputs
+    ctx.save_for_backward(x, w)
+    ctx.act = act
+
+
+def _conv_op_backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    dx, dw = _ops().conv_bwd(x, w, dy, ctx.act)
+    return dx, dw, None
+
+
+_conv_fwd_op.register_autograd(_conv_op_backward, setup_context=_conv_setup_context)
+
+
 class CausalConvFunction(torch.autograd.Function):
+    # packed sequences (pos from cu_seqlens); fixed-length batches take the custom ops above
 
     @staticmethod
     def forward(ctx, x, w, act, pos):
-        B, T, C = x.shape
-        W = w.shape[1]
-        BT, BR, BD, nw = _conv_blocks(T, C)
-        y = _empty(B, T, C, dtype=x.dtype, device=x.device)
-        pos_ = x if pos is None else pos
-        _conv_fwd[(triton.cdiv(T, BT), triton.cdiv(C, BD), B)](
-            x, w, y, pos_, T, C, W=W, ACT=act, BT=BT, BR=BR, BD=BD, VARLEN=pos is not None, num_warps=nw)
         ctx.save_for_backward(x, w, pos)
         ctx.act = act
-        return y
+        return _conv_forward(x, w, act, pos)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, pos = ctx.saved_tensors
-        B, T, C = x.shape
-        W = w.shape[1]
-        BT, BR, BD, nw = _conv_blocks(T, C)
-        NT = triton.cdiv(T, BT)
-        pos_ = x if pos is None else pos
-        dw_part = _empty(B * NT, C, W, dtype=torch.float32, device=x.device)
-        dx = _empty(B, T, C, dtype=x.dtype, device=x.device)
-        _conv_bwd[(NT, triton.cdiv(C, BD), B)](x, w, dy.contiguous(), dx, dw_part, pos_, T, C, NT, W=W, ACT=ctx.act,
-                                              BT=BT, BR=BR, BD=BD, VARLEN=pos is not None, num_warps=nw)
-        return dx, dw_part.sum(0).to(w.dtype), None, None
+        dx, dw = _conv_backward(x, w, dy, ctx.act, pos)
+        return dx, dw, None, None
 
 
 def causal_conv(x, weight, silu=True, cu_seqlens=None):
@@ -1423,6 +1571,8 @@ def causal_conv(x, weight, silu=True, cu_seqlens=None):
         if x.shape[0] != 1:
             raise ValueError(f"causal_conv: with cu_seqlens x must be [1,T,C] (sequences packed along T), got {tuple(x.shape)}")
         pos = _conv_positions(cu_seqlens, x.shape[1], x.device)
+    if pos is None:
+        return _ops().conv_fwd(x.contiguous(), weight.contiguous(), bool(silu))
     return CausalConvFunction.apply(x.contiguous(), weight.contiguous(), bool(silu), pos)
 
 

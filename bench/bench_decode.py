@@ -4,6 +4,7 @@ how it changes with the context (the point of a constant-size state).
 
     python bench/bench_decode.py --out bench/results/decode.json
     python bench/bench_decode.py --models prism,transformer --contexts 1024,65536 --batches 1
+    python bench/bench_decode.py --gemms --out bench/results/decode_gemms.json   # the step's GEMMs alone
 
 GDN, PRISM, hybrid and transformer are the config files (config/*_130m.py), in bf16 weights,
 each on its best cache path: Model.init_cache's static buffers, the prompt prefilled through
@@ -151,6 +152,55 @@ def plot(rows, path, gpu):
     atomic_write(path, buf.getvalue())
 
 
+def decode_gemms(batches=(1, 64), reps=50, copies=16):
+    """The decoding step's GEMMs alone (the weight shapes of GDN-130M's and PRISM-130M's step,
+    bf16), each timed over `reps` CUDA-graph replays of `copies` calls on distinct weights:
+    F.linear(x, w) with w [N, K] as the step calls it, against x @ w_t with the weight stored
+    transposed, w_t [K, N]. Returns rows with
+    microseconds per call and the weight bytes moved per microsecond (TB/s)."""
+    import torch.nn.functional as F
+    from model import stacked_weights
+    shapes = {}
+    for name in ("gdn", "prism"):
+        m = load(name)
+        layer, mlp = m.blocks[0].mixer, m.blocks[0].mlp
+        parts = (layer.q_proj, layer.k_proj, layer.v_proj, layer.a_proj, layer.b_proj, layer.g_proj)
+        shapes[f"{name} in-proj"] = stacked_weights(layer, "in", parts, torch.bfloat16)[0]
+        if name == "prism":
+            x = torch.zeros(1, 1, m.config.n_embd, device="cuda", dtype=torch.bfloat16)
+            layer.solver_step(x, {"anchor": torch.zeros(1, 3, m.config.n_embd, device="cuda", dtype=torch.bfloat16)}, None)
+            shapes["prism solver"] = layer._decode_memo[("solver", torch.bfloat16)][1]
+            continue
+        shapes["o_proj"] = layer.o_proj.weight
+        shapes["mlp gate|up"] = stacked_weights(mlp, "gate_up", (mlp.w_gate, mlp.w_up), torch.bfloat16)[0]
+        shapes["mlp down"] = mlp.w_down.weight
+        shapes["lm_head"] = m.lm_head.weight
+        del m
+    rows = []
+    for label, w in shapes.items():
+        # one weight per layer, as in the step: together they exceed the L2 cache, so every call
+        # reads its weight from HBM
+        ws = [w.detach().to(torch.bfloat16).contiguous().clone() for _ in range(copies)]
+        ws_t = [w.t().contiguous() for w in ws]
+        for b in batches:
+            x = torch.randn(b, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            row = dict(gemm=label, batch=b, N=w.shape[0], K=w.shape[1])
+            for form, fn in (("linear", lambda: [F.linear(x, w) for w in ws]),
+                             ("matmul_wt", lambda: [x @ w for w in ws_t])):
+                g = cuda_graph(fn, 3)
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(reps):
+                    g()
+                e.record(); torch.cuda.synchronize()
+                us = s.elapsed_time(e) * 1e3 / reps / copies
+                row[f"{form}_us"] = round(us, 2)
+                row[f"{form}_TBs"] = round(w.numel() * 2 / us / 1e6, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -162,9 +212,17 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=64, help="timed decoding steps per context-curve row")
     p.add_argument("--profile", action="store_true",
                    help="also profile the short rows' step: kernels per step, their GPU time, the largest")
+    p.add_argument("--gemms", action="store_true",
+                   help="only the step's GEMMs, F.linear against a transposed weight (decode_gemms)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("error: bench_decode.py needs a CUDA GPU")
+    if args.gemms:
+        report = dict(env(), command="python bench/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      rows=decode_gemms())
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        atomic_write(args.out, (json.dumps(report, indent=1) + "\n").encode())
+        return 0
     names = [m for m in args.models.split(",") if m]
     bad = [m for m in names if m not in MODELS]
     if bad:

@@ -35,7 +35,7 @@ RULES = [
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn"),
      ("scaled_dot_product", "flash_attn", "_efficient_attention")),
     ("conv", ("_conv_", "conv1d", "conv2d", "convolution", "causal_conv", "depthwise"),
-     ("causalconv", "convolution", "conv1d", "shortconv")),
+     ("causalconv", "convolution", "conv1d", "shortconv", "::conv_fwd", "::conv_bwd")),
     ("matmuls", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "matmul", "sm90_", "sm80_",
                  "triton_tem"),
      ()),
@@ -45,7 +45,7 @@ RULES = [
                             "_bwd_dv_local", "_bwd_state",
                             "_bwd_rows", "_bwd_local", "chunk_", "recompute_w_u", "wy_repr",
                             "solve_tril", "fused_recurrent", "kkt", "gdn_gate", "delta_rule"),
-     ("chunkprism", "gateddelta", "delta_rule")),
+     ("chunkprism", "::chunk_fwd", "::chunk_bwd", "gateddelta", "delta_rule")),
     ("loss", ("cross_entropy", "crossentropy", "log_softmax", "softmax", "nll_loss", "logsumexp"),
      ("linear_cross_entropy", "cross_entropy", "crossentropy", "nll_loss", "log_softmax")),
     ("norms", ("rms_norm", "rmsnorm", "layer_norm", "layernorm", "l2norm", "l2_norm", "rsqrt", "norm"),
@@ -60,7 +60,12 @@ def category(kernel, launchers):
     """The category of a GPU kernel given its name and the names of the CPU operators it was
     launched from (innermost first)."""
     name, ops = kernel.lower(), [o.lower() for o in launchers]
+    # Inductor's fused kernels are named after the ops they fuse, which can include the outputs
+    # of our custom ops (..._chunk_bwd_...): those are elementwise code, not the recurrence
+    inductor = name.startswith(("triton_poi_", "triton_per_", "triton_red_"))
     for cat, names, parents in RULES:
+        if cat == "recurrence kernels" and inductor:
+            continue
         if any(s in name for s in names) or any(p in o for o in ops for p in parents):
             return cat
     return "other"
@@ -166,10 +171,11 @@ def main(argv=None):
     report_ = []
     for name in a.models.split(","):
         torch.manual_seed(0)
-        cfg_path, over = ("config/gdn_130m.py", {}) if name == "fla" else next(
-            ((p_, o) for n, p_, o in SUITE if n.startswith(name)), (None, None))
+        cfg_path, over, attrs = ("config/gdn_130m.py", {}, {}) if name == "fla" else next(
+            ((p_, o, at) for n, p_, o, at in SUITE if n == name), None) or next(
+            ((p_, o, at) for n, p_, o, at in SUITE if n.startswith(name)), (None, None, None))
         if cfg_path is None:
-            sys.exit(f"unknown model {name!r}; choose from {[n for n, _, _ in SUITE] + ['fla']}")
+            sys.exit(f"unknown model {name!r}; choose from {[r[0] for r in SUITE] + ['fla']}")
         cfg = suite_config(cfg_path, over, block_size=a.T)
         trace = os.path.join(a.trace, name.replace(" ", "_").replace("=", "") + ".json") if a.trace else None
         if name == "fla":
@@ -181,6 +187,8 @@ def main(argv=None):
         else:
             m = Model(cfg)
             m.activation_checkpointing = a.activation_checkpointing
+            for key, value in attrs.items():
+                setattr(m, key, value)
             text = profile(m, a.B, a.T, cfg.vocab_size, m.flops_per_token(a.T), compile=a.compile,
                            steps=a.steps, trace=trace)
         report_.append(f"=== {name}, B={a.B} T={a.T}, bf16 autocast, compile={a.compile}\n{text}")

@@ -303,6 +303,9 @@ class OurProbeNet(nn.Module):
     def __init__(self, cfg, backend="chunk"):
         super().__init__()
         self.model = Model(cfg, backend=backend)
+        # the ensembles run under torch.func.vmap, which cannot replay a checkpointed region in
+        # the backward; at these widths there is nothing to save by recomputing
+        self.model.recompute_solver = False
 
     def forward(self, idx):
         m = self.model

@@ -20,7 +20,7 @@ def test_bench_single_config_reports_a_measurement():
 def test_suite_rows_are_the_config_files():
     sys.path.insert(0, ROOT)
     import bench
-    cfgs = {name: bench.suite_config(path, over) for name, path, over in bench.SUITE}
+    cfgs = {name: bench.suite_config(path, over) for name, path, over, _ in bench.SUITE}
     assert cfgs["transformer"].mixer == "attention"
     assert cfgs["gdn"].mixer == "gdn"
     assert cfgs["prism L=2"].solver_steps == 2 and cfgs["prism L=3"].solver_steps == 3
@@ -93,6 +93,13 @@ def test_kernel_categories():
     assert category("_fwd_state", ["ChunkPrismFunction"]) == "recurrence kernels"
     assert category("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", []) == "recurrence kernels"
     assert category("_conv_bwd", ["CausalConvFunctionBackward"]) == "conv"
+    # Inductor's fused kernels named after our ops' outputs are elementwise code
+    assert category("triton_per_fused__fused_rms_norm__fused_rms_norm_backward__to_copy_chunk_bwd_4",
+                    ["CompiledFunctionBackward"]) == "norms"
+    assert category("triton_poi_fused_chunk_fwd_gelu_mul_sigmoid_5", []) == "other"
+    # a torch op inside our custom ops is filed under the op that launched it
+    assert category("reduce_kernel", ["aten::sum", "prism_kernel::conv_bwd"]) == "conv"
+    assert category("elementwise_kernel", ["aten::copy_", "prism_kernel::chunk_bwd"]) == "recurrence kernels"
     # the recurrence's own helpers count as recurrence whatever the launcher stack looks like
     for name in ("_fwd_w", "_fwd_rows", "_l2norm_fwd", "_l2norm_bwd"):
         assert category(name, []) == "recurrence kernels", name

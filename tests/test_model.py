@@ -228,3 +228,33 @@ def test_legacy_model_args_load_and_unknown_keys_fail():
         ModelConfig.from_dict({**TINY, "n_layers": 3})
     with pytest.raises(ValueError, match="backend"):
         Model(ModelConfig(**TINY), backend="cuda")
+
+
+def test_recompute_solver_same_gradients_less_saved():
+    """recompute_solver (the default) reruns the solver rows in the backward: the same loss and
+    gradients as saving them, with fewer bytes held for the backward."""
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**TINY, mixer="prism", solver_steps=3)).double()
+    idx = torch.randint(0, TINY["vocab_size"], (2, 40))
+    runs = {}
+    for on in (True, False):
+        model.recompute_solver = on
+        model.zero_grad(set_to_none=True)
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(idx, idx)[1]
+        loss.backward()
+        runs[on] = loss.item(), sum(saved), {n: p.grad.clone() for n, p in model.named_parameters()}
+    (l1, b1, g1), (l0, b0, g0) = runs[True], runs[False]
+    assert l1 == l0 and all(torch.allclose(g1[n], g0[n], rtol=1e-12, atol=1e-14) for n in g0)
+    assert b1 < b0, (b1, b0)
+    assert all(b.mixer.recompute is False for b in model.blocks)   # the switch reaches every layer
+    model.recompute_solver = True
+    model.activation_checkpointing = True   # whole blocks rerun: the solver is not rerun inside them too
+    assert all(b.mixer.recompute is False for b in model.blocks)
+    model.activation_checkpointing = "mlp"
+    assert all(b.mixer.recompute is True for b in model.blocks)
