@@ -722,3 +722,18 @@ def test_gpu_compiled_block_is_one_graph(mixer):
     # the 130M layer shape under Inductor and bf16 autocast; eager is the reference (Inductor's
     # fused elementwise code rounds differently in bf16)
     check_compiled_block(mixer, 2, 1000, dict(), "cuda", "inductor", 2e-2, autocast=True)
+
+
+def test_gradients_through_the_final_state_alone():
+    """A loss on the final state only (the output unused): the op's backward gets no output
+    gradient and must still give every input's."""
+    xs = make_inputs(1, 40, 2, 16, 16, 3, DEV, gen=torch.Generator().manual_seed(3))
+    grads = []
+    for fn in (chunk_prism, delta_rule_naive):
+        ins = [None if x is None else x.double().requires_grad_() if fn is delta_rule_naive
+               else x.clone().requires_grad_() for x in xs]
+        _, ht = fn(*ins[:7], initial_state=ins[7], output_final_state=True)
+        (ht.double() ** 2).sum().backward()
+        grads.append([x.grad if x.grad is not None else torch.zeros_like(x) for x in ins if x is not None])
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max().clamp_min(1.0), i   # q's is zero: o is unused
