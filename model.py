@@ -801,8 +801,8 @@ class Model(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.activation_checkpointing = False
-        self.recompute_solver = True
+        self._recompute_solver = True
+        self.activation_checkpointing = False   # (sets each PRISM layer's solver recompute too)
         self.norm_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -864,7 +864,7 @@ class Model(nn.Module):
     def _set_solver_recompute(self):
         # inside a block that is itself rerun (activation_checkpointing=True) the solver's own
         # recompute would only run it a third time
-        on = getattr(self, "_recompute_solver", True) and self._checkpointing is not True
+        on = self._recompute_solver and self._checkpointing is not True
         for b in self.blocks:
             if isinstance(b.mixer, PRISM):
                 b.mixer.recompute = on

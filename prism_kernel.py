@@ -1154,6 +1154,26 @@ def _l2norm_rows_grad(y, rn, dy):
     return dx
 
 
+def _fwd_normed(q, k, v, g, beta, ke, ve, scale, h0, output_final_state, cu_seqlens, l2norm_qk):
+    """_fwd, with q and k l2-normalised first where l2norm_qk. Returns (o, ht, q and k as the
+    kernels ran on them, their inverse norms or None, the saved tensors, the tables)."""
+    rq = rk = None
+    if l2norm_qk:
+        (q, rq), (k, rk) = _l2norm_rows(q), _l2norm_rows(k)
+    o, ht, saved, tables = _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state, cu_seqlens)
+    return o, ht, q, k, rq, rk, saved, tables
+
+
+def _bwd_normed(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables, rq, rk):
+    """_bwd, then back through the l2 norm where rq, rk (the inverse norms) are given; q and k
+    are the normalised copies. Returns (dq, dk, dv, dg, dbeta [float32], dke, dve, dh0)."""
+    dq, dk, *rest = _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do.contiguous(),
+                         None if dht is None else dht.contiguous(), cu_seqlens, tables)
+    if rq is not None:
+        dq, dk = _l2norm_rows_grad(q, rq, dq), _l2norm_rows_grad(k, rk, dk)
+    return (dq, dk, *rest)
+
+
 # torch.compile: the fixed-length recurrence is a pair of torch.library custom ops (forward and
 # backward, each with a fake-tensor shape function, tied by register_autograd), so a compiled
 # model stays one graph through every layer: no graph break per call, and Inductor fuses and
@@ -1176,12 +1196,12 @@ def _chunk_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                              torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, ht, q and k as normalised, their inverse norms, G, Tm, U); a tensor that does not
     apply is empty ([0]): ht without output_final_state, the four norm outputs without l2norm_qk."""
-    qn, kn, rq, rk = (q.new_empty(0, dtype=d) for d in (q.dtype, q.dtype, torch.float32, torch.float32))
-    if l2norm_qk:
-        (q, rq), (k, rk) = _l2norm_rows(q), _l2norm_rows(k)
-        qn, kn = q, k
-    o, ht, (gc, tinv, u), _ = _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state, None)
-    return o, q.new_empty(0, dtype=torch.float32) if ht is None else ht, qn, kn, rq, rk, gc, tinv, u
+    o, ht, qn, kn, rq, rk, (gc, tinv, u), _ = _fwd_normed(q, k, v, g, beta, ke, ve, scale, h0,
+                                                          output_final_state, None, l2norm_qk)
+    empty = lambda dtype: q.new_empty(0, dtype=dtype)   # outputs may not alias the inputs
+    if not l2norm_qk:
+        qn, kn, rq, rk = empty(q.dtype), empty(q.dtype), empty(torch.float32), empty(torch.float32)
+    return o, empty(torch.float32) if ht is None else ht, qn, kn, rq, rk, gc, tinv, u
 
 
 @_chunk_fwd_op.register_fake
@@ -1209,11 +1229,9 @@ def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """(dq, dk, dv, dg, dbeta [float32], dke, dve, dh0); dke, dve, dh0 are empty where their
     input is absent. With l2norm_qk, q and k are the normalised copies and dq, dk are the raw
     inputs' gradients."""
-    dq, dk, dv, dg, dbeta, dke, dve, dh0 = _bwd(q, k, v, g, beta, ke, ve, scale, h0, (gc, tinv, u),
-                                                do.contiguous(), None if dht is None else dht.contiguous(),
-                                                None, None)
-    if l2norm_qk:
-        dq, dk = _l2norm_rows_grad(q, rq, dq), _l2norm_rows_grad(k, rk, dk)
+    norms = (rq, rk) if l2norm_qk else (None, None)
+    dq, dk, dv, dg, dbeta, dke, dve, dh0 = _bwd_normed(q, k, v, g, beta, ke, ve, scale, h0, (gc, tinv, u),
+                                                       do, dht, None, None, *norms)
     return (dq, dk, dv, dg, dbeta, *(q.new_empty(0) if x is None else x for x in (dke, dve)),
             q.new_empty(0, dtype=torch.float32) if dh0 is None else dh0)
 
@@ -1254,11 +1272,8 @@ class ChunkPrismFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state, cu_seqlens, l2norm_qk):
-        rq = rk = None
-        if l2norm_qk:
-            (q, rq), (k, rk) = _l2norm_rows(q), _l2norm_rows(k)
-        o, ht, saved, tables = _fwd(q, k, v, g, beta, ke, ve, scale, initial_state, output_final_state,
-                                    cu_seqlens)
+        o, ht, q, k, rq, rk, saved, tables = _fwd_normed(q, k, v, g, beta, ke, ve, scale, initial_state,
+                                                         output_final_state, cu_seqlens, l2norm_qk)
         ctx.save_for_backward(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens, rq, rk, *saved)
         ctx.scale, ctx.tables = scale, tables
         if ht is not None:
@@ -1268,12 +1283,8 @@ class ChunkPrismFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht=None):
         q, k, v, g, beta, ke, ve, h0, cu_seqlens, rq, rk, *saved = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dke, dve, dh0 = _bwd(q, k, v, g, beta, ke, ve, ctx.scale, h0, saved,
-                                                    do.contiguous(),
-                                                    None if dht is None else dht.contiguous(), cu_seqlens,
-                                                    ctx.tables)
-        if rq is not None:
-            dq, dk = _l2norm_rows_grad(q, rq, dq), _l2norm_rows_grad(k, rk, dk)
+        dq, dk, dv, dg, dbeta, dke, dve, dh0 = _bwd_normed(q, k, v, g, beta, ke, ve, ctx.scale, h0, saved, do,
+                                                           dht, cu_seqlens, ctx.tables, rq, rk)
         return (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dke, dve, None, dh0, None, None, None)
 
 
