@@ -138,8 +138,8 @@ def warm_specs(shapes, Ls, configs):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_kernel import GPU_WARM
     specs = [s + ("",) for s in GPU_WARM]
-    for B, _, H, K in shapes:
-        specs += [(B, 100, H, K, K, L, "bfloat16", False, 0, c) for L in Ls for c in [""] + configs]
+    for B, _, H, K, V in shapes:
+        specs += [(B, 100, H, K, V, L, "bfloat16", False, 0, c) for L in Ls for c in [""] + configs]
     n_docs = len(doc_lengths(PACKED_ROWS * PACKED_T))
     specs += [(PACKED_ROWS, 100, 6, 128, 128, L, "bfloat16", False, 0, "") for L in (1, 3)]
     specs += [(1, 100, 6, 128, 128, L, "bfloat16", False, min(n_docs, 100), "") for L in (1, 3)]
@@ -189,7 +189,7 @@ def row(impl, L, B, T, H, K, V, t_f, t_fb, act, peak, **extra):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["8,2048,6,128", "2,8192,6,128", "1,32768,6,128"],
-                    help="B,T,H,K (V = K)")
+                    help="B,T,H,K or B,T,H,K,V (V = K when left out)")
     ap.add_argument("--L", default="1,2,3,4")
     ap.add_argument("--bv", default="", help="state-pass value blocks to sweep, e.g. 16,32,64 "
                                              "(default: launch_config's choice only)")
@@ -198,10 +198,13 @@ def main():
                          "'state_bv=16,stages=2' (default: local_bk=64, the local backward in key "
                          "blocks; pass --configs with nothing after it for none)")
     ap.add_argument("--no-packed", action="store_true", help="skip the packed-documents rows")
+    ap.add_argument("--no-fla", action="store_true", help="skip the fla rows (a launch-config sweep "
+                                                         "compares our own rows only)")
     ap.add_argument("--profile", action="store_true", help="per-kernel times for L=1, L=3 and fla at every shape")
     ap.add_argument("--warm", action="store_true", help="only compile the kernel variants, in parallel")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
+    shapes = [s if len(s) == 5 else s + (s[3],) for s in shapes]
     Ls = [int(x) for x in args.L.split(",")]
     if not torch.cuda.is_available():
         sys.exit("bench_kernel.py needs a CUDA GPU")
@@ -218,11 +221,10 @@ def main():
                        "[16, 1984], against the same tokens as {PACKED_ROWS} rows of {PACKED_T}")
     print(json.dumps(meta), flush=True)
     sweeps = [None] + [f"state_bv={x}" for x in args.bv.split(",") if x] + args.configs
-    rows, profiles = [], {}
-    for B, T, H, K in shapes:
-        V = K
+    rows, profiles, failed = [], {}, []
+    for B, T, H, K, V in shapes:
         do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
-        if chunk_gated_delta_rule is not None:
+        if chunk_gated_delta_rule is not None and not args.no_fla:
             xs = make(B, T, H, K, V, 1)
             fn = lambda xs: chunk_gated_delta_rule(*xs[:5])[0]
             gpu_us, prof = profile_kernels(fn, xs, do)
@@ -239,8 +241,15 @@ def main():
                 xs = make(B, T, H, K, V, L)
                 fn = lambda xs: chunk_prism(*xs)[0]
                 name = f"prism L={L}" + ("" if sweep is None else f" {sweep}")
-                gpu_us, prof = profile_kernels(fn, xs, do)
-                rows.append(row(name, L, B, T, H, K, V, *measure(fn, xs, do), state_bv=chosen, gpu_us=gpu_us))
+                try:
+                    gpu_us, prof = profile_kernels(fn, xs, do)
+                    rows.append(row(name, L, B, T, H, K, V, *measure(fn, xs, do), state_bv=chosen, gpu_us=gpu_us))
+                except Exception as e:  # noqa: BLE001  (a swept launch that does not fit: a row saying so)
+                    if sweep is None:
+                        raise
+                    failed.append(dict(impl=name, B=B, T=T, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                    print(json.dumps(failed[-1]), flush=True)
+                    continue
                 if args.profile and L in (1, 3):
                     profiles[f"{name} {B}x{T}"] = prof
                 del xs
@@ -293,13 +302,21 @@ def main():
             targets.append((f"{r['impl']} <= 1.1x rows", r["fwdbwd_vs_rows"], 1.1))
     out_dir = os.environ.get("RESULTS_DIR") or os.path.join(ROOT, "bench", "results")
     path = os.path.join(out_dir, "kernel_bench.json")
-    atomic_write(path, json.dumps(dict(meta=meta, rows=rows, profiles=profiles,
+    atomic_write(path, json.dumps(dict(meta=meta, rows=rows, profiles=profiles, failed=failed,
                                        targets=[dict(target=t, ratio=v, bound=b, met=v <= b)
                                                 for t, v, b in targets]), indent=1).encode())
     for name, prof in profiles.items():
         print(f"\nper-kernel us per fwd+bwd, {name}")
         for k, t in prof:
             print(f"  {t:9.1f}  {k}")
+    if len(sweeps) > 1 and profiles:   # a launch-config sweep: one row per profile, one column per kernel
+        kernels = list(dict.fromkeys(k for prof in profiles.values() for k, _ in prof))
+        print("\nper-kernel us per fwd+bwd, every profiled row")
+        print("| row | total | " + " | ".join(k[:14] for k in kernels) + " |")
+        for name, prof in profiles.items():
+            t = dict(prof)
+            print(f"| {name[:90]} | {sum(t.values()):.0f} | " +
+                  " | ".join(f"{t[k]:.0f}" if k in t else "-" for k in kernels) + " |")
     print(f"\n{dev_name}, bf16, fwd+bwd: wall time (do_bench median) and GPU time (sum of kernel "
           "durations, torch.profiler); ratios within this run")
     nan = float("nan")
