@@ -829,7 +829,8 @@ def _dot_dtype(dt):
 
 SMEM_LIMIT = 232448   # bytes of shared memory per block on the H100/H200 (sm_90)
 # Launch choices to try without editing the rules below, e.g. {"state_bv": 16} (bench_kernel.py
-# --bv sets it); also from the environment: PRISM_KERNEL_CONFIG="state_bv=16,stages=2"
+# --bv sets it); also from the environment: PRISM_KERNEL_CONFIG="state_bv=16,stages=2"; a key
+# "kernel.field" sets one kernel's BV, BK, num_warps or num_stages ("bwd_local.num_stages=1")
 OVERRIDES = {k: int(v) for k, v in (kv.split("=") for kv in
                                     os.environ.get("PRISM_KERNEL_CONFIG", "").split(",") if kv)}
 
@@ -842,7 +843,7 @@ def smem_estimate(name, BT, BK, BV, es, NE, stages):
     bench/kernel_regs.py prints the compiled figure next to this one for every configuration."""
     tk, tv, hk, cc = BT * BK * es, BT * BV * es, BK * BV * es, BT * BT * es
     loop, fixed = {
-        "fwd_prep": (tv + NE * (tk + tv), tk + 2 * cc + BK * BV * 4 + BT * BT * 4),
+        "fwd_prep": (tv + NE * (tk + tv), tk + 3 * cc + BK * BV * 4 + BT * BT * 4),
         "fwd_state": (2 * tk + tv + (hk if NE else 0), BK * BV * 4),
         "bwd_h": (tk + tv + (hk if NE else 0), BK * BV * 4),
         "bwd_r": (0, NE * (tk + tv) + BK * BV * 4),
@@ -878,26 +879,37 @@ def launch_config(K, V, dtype, NE, n_seq):
     local_bk = min(BK, ov.get("local_bk", BK if BK <= 128 else 64))
     cc_bk = min(BK, ov.get("cc_bk", BK if BK <= 128 else local_bk))
     BT = ov.get("chunk", 64 if BK * es <= 256 and cc_bk == BK else 32)
-    # state passes: the [BK, BV] float32 state stays in registers (BV = 32 at BK = 128: no spills
-    # with ptxas for sm_90); few sequences x heads -> BV 16, twice the programs on the 132 SMs
-    state_bv = min(Vp, ov.get("state_bv", 32 if n_seq * triton.cdiv(V, 32) >= 132 else 16))
+    # state passes: the [BK, BV] float32 state stays in registers (no spills at BK <= 128 and BV
+    # <= 64 with ptxas for sm_90). The value block is the widest that still gives at least one
+    # program per SM (132): 64 at the 130M model's shape (B = 16, H = 6, V = 256), 32 or 16 for
+    # few sequences x heads (B*H = 6 at 1x32768), twice or four times the programs
+    state_bv = min(Vp, ov.get("state_bv", next(
+        (bv for bv in ((64, 32) if BK <= 128 else (32,)) if n_seq * triton.cdiv(V, bv) >= 132), 16)))
     bv = min(Vp, ov.get("bv", 32))
-    wide = 4 if BK <= 64 else 8
-    # the local backward in one kernel holds dq, dk ([BT, K] float32) across its value loop: it
+    small = BK <= 128
+    # Warps: 4 wherever measured faster (16 x 2048, H = 6, K = 128, V = 256, bf16, H200): the
+    # kernels that run out of registers at 8 warps (255 per thread: one program per SM) run two
+    # programs per SM at 4, which hides more latency than their extra spills cost (the local
+    # backward 1716 -> 1239 us, the prep 460 -> 231; bench/results/kernel_sweep_2026-12-01_1719.json).
+    # The injected rows' backward stays at 8 (1340 us against 1929 at 4). Wider value blocks for
+    # the output pass (64) and dU_local (128): fewer programs re-reading the same Q, K tiles.
+    # The reverse state pass keeps the narrower state_bv rule of before (measured at 32, 4 warps).
+    # The local backward in one kernel holds dq, dk ([BT, K] float32) across its value loop: it
     # spills ~0.9 KB/thread at K = 128 and ~2.7 KB at K = 256 (bf16, sm_90). With local_bk < K it
     # runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk; like fla's dq/dk
     # kernel), at the price of reading dU, U, dO, h and dh once more.
+    bwd_state_bv = min(Vp, 32 if n_seq * triton.cdiv(V, 32) >= 132 else 16)
     cfg = dict(
-        fwd_prep=dict(BV=bv, num_warps=8),
+        fwd_prep=dict(BV=bv, num_warps=4 if small else 8),
         fwd_state=dict(BV=state_bv, num_warps=4),
         bwd_h=dict(BV=state_bv, num_warps=4),
         bwd_w=dict(BV=bv, num_warps=4),   # BV unused
         bwd_r=dict(BV=bv, num_warps=4),
-        fwd_out=dict(BV=bv, num_warps=4),
-        bwd_dv_local=dict(BV=bv, num_warps=4),
-        bwd_state=dict(BV=state_bv, num_warps=8),
-        bwd_rows=dict(BV=bv, num_warps=wide),
-        bwd_local=dict(BV=bv, num_warps=wide),
+        fwd_out=dict(BV=min(Vp, ov.get("bv", 64)), num_warps=4),
+        bwd_dv_local=dict(BV=min(Vp, ov.get("bv", 128)), num_warps=4),
+        bwd_state=dict(BV=min(Vp, ov.get("state_bv", bwd_state_bv)), num_warps=4 if small else 8),
+        bwd_rows=dict(BV=bv, num_warps=4 if BK <= 64 else 8),
+        bwd_local=dict(BV=bv, num_warps=4),
         bwd_local_cc=dict(BV=min(Vp, ov.get("cc_bv", 16)), BK=cc_bk, num_warps=8),
         bwd_local_dqk=dict(BV=bv, BK=local_bk, num_warps=8),
     )
@@ -905,10 +917,16 @@ def launch_config(K, V, dtype, NE, n_seq):
         del cfg["bwd_local_cc"], cfg["bwd_local_dqk"]
     else:
         del cfg["bwd_local"]
+    for key, val in ov.items():   # one kernel's launch, e.g. "bwd_local.num_stages=1"
+        name, _, field = key.partition(".")
+        if field and name in cfg:
+            cfg[name][field] = val
     # the deepest software pipeline (3, 2 or 1 copies of the loop's tiles) that fits with a margin
     for name, c in cfg.items():
-        c["num_stages"] = ov.get("stages", next(
-            (s for s in (3, 2) if smem_estimate(name, BT, c.get("BK", BK), c["BV"], es, NE, s) <= 0.9 * SMEM_LIMIT), 1))
+        if "num_stages" not in c:
+            c["num_stages"] = ov.get("stages", next(
+                (s for s in (3, 2) if smem_estimate(name, BT, c.get("BK", BK), c["BV"], es, NE, s)
+                 <= 0.9 * SMEM_LIMIT), 1))
     return BT, BK, cfg
 
 

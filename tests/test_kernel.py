@@ -133,6 +133,32 @@ def test_tiny_half_vs_naive(dtype):
     check_against_naive(2, 70, 1, 16, 16, 2, dtype, 2e-2, seed=7)
 
 
+def test_launch_rules_and_one_kernel_overrides(monkeypatch):
+    # the forward state passes take the widest value block that still gives every SM a program
+    _, _, cfg = prism_kernel.launch_config(128, 256, torch.bfloat16, 0, 16 * 6)   # the 130M model
+    assert cfg["fwd_state"]["BV"] == cfg["bwd_h"]["BV"] == 64
+    assert prism_kernel.launch_config(128, 128, torch.bfloat16, 0, 8 * 6)[2]["fwd_state"]["BV"] == 32
+    assert prism_kernel.launch_config(128, 128, torch.bfloat16, 0, 6)[2]["fwd_state"]["BV"] == 16
+    # "kernel.field" changes that kernel's launch alone; a pipeline depth given there is kept
+    monkeypatch.setitem(prism_kernel.OVERRIDES, "bwd_local.num_warps", 2)
+    monkeypatch.setitem(prism_kernel.OVERRIDES, "fwd_out.num_stages", 1)
+    _, _, over = prism_kernel.launch_config(128, 256, torch.bfloat16, 0, 16 * 6)
+    assert over["bwd_local"]["num_warps"] == 2 and over["fwd_out"]["num_stages"] == 1
+    changed = {n for n in cfg if over[n] != cfg[n]}
+    assert changed == {"bwd_local", "fwd_out"}, changed
+    assert {k: v for k, v in over["bwd_local"].items() if k != "num_warps"} == \
+        {k: v for k, v in cfg["bwd_local"].items() if k != "num_warps"}
+
+
+def test_tiny_several_value_blocks_everywhere(monkeypatch):
+    # the default value blocks (64 for the output pass, 128 for dU_local) cover all of V at the
+    # tiny shapes above: value blocks of 16 take every kernel through its several-block path
+    for name in ("fwd_prep", "fwd_state", "bwd_h", "fwd_out", "bwd_dv_local", "bwd_state", "bwd_rows",
+                 "bwd_local", "bwd_r"):
+        monkeypatch.setitem(prism_kernel.OVERRIDES, f"{name}.BV", 16)
+    check_against_naive(1, 70, 2, 16, 48, 2, torch.float32, 1e-4, h0=True, seed=71)
+
+
 def test_every_kernel_compiles_for_sm90():
     # the interpreter never runs Triton's compiler: compile each kernel variant the module
     # launches for the H100/H200 (sm_90) on the CPU under the installed Triton, ptxas included
