@@ -895,9 +895,9 @@ def launch_config(K, V, dtype, NE, n_seq):
     # the output pass (64) and dU_local (128): fewer programs re-reading the same Q, K tiles.
     # The reverse state pass keeps the narrower state_bv rule of before (measured at 32, 4 warps).
     # The local backward in one kernel holds dq, dk ([BT, K] float32) across its value loop: it
-    # spills ~0.9 KB/thread at K = 128 and ~2.7 KB at K = 256 (bf16, sm_90). With local_bk < K it
-    # runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk; like fla's dq/dk
-    # kernel), at the price of reading dU, U, dO, h and dh once more.
+    # spills ~1.6 KB/thread at K = 128 (4 warps; 0.9 at 8) and ~2.7 KB at K = 256 (bf16, sm_90).
+    # With local_bk < K it runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk;
+    # like fla's dq/dk kernel), at the price of reading dU, U, dO, h and dh once more.
     bwd_state_bv = min(Vp, 32 if n_seq * triton.cdiv(V, 32) >= 132 else 16)
     cfg = dict(
         fwd_prep=dict(BV=bv, num_warps=4 if small else 8),
@@ -913,14 +913,18 @@ def launch_config(K, V, dtype, NE, n_seq):
         bwd_local_cc=dict(BV=min(Vp, ov.get("cc_bv", 16)), BK=cc_bk, num_warps=8),
         bwd_local_dqk=dict(BV=bv, BK=local_bk, num_warps=8),
     )
+    for key, val in ov.items():   # one kernel's launch, e.g. "bwd_local.num_stages=1"
+        name, _, field = key.partition(".")
+        if not field:
+            continue
+        if name not in cfg or field not in ("BV", "BK", "num_warps", "num_stages"):
+            raise ValueError(f"prism_kernel.OVERRIDES: unknown launch override {key!r}; per-kernel keys are "
+                             f"<kernel>.<BV|BK|num_warps|num_stages> with <kernel> one of {', '.join(cfg)}")
+        cfg[name][field] = val
     if local_bk == BK:
         del cfg["bwd_local_cc"], cfg["bwd_local_dqk"]
     else:
         del cfg["bwd_local"]
-    for key, val in ov.items():   # one kernel's launch, e.g. "bwd_local.num_stages=1"
-        name, _, field = key.partition(".")
-        if field and name in cfg:
-            cfg[name][field] = val
     # the deepest software pipeline (3, 2 or 1 copies of the loop's tiles) that fits with a margin
     for name, c in cfg.items():
         if "num_stages" not in c:
