@@ -830,7 +830,7 @@ def _dot_dtype(dt):
 SMEM_LIMIT = 232448   # bytes of shared memory per block on the H100/H200 (sm_90)
 # Launch choices to try without editing the rules below, e.g. {"state_bv": 16} (bench_kernel.py
 # --bv sets it); also from the environment: PRISM_KERNEL_CONFIG="state_bv=16,stages=2"; a key
-# "kernel.field" sets one kernel's BV, BK, num_warps or num_stages ("bwd_local.num_stages=1")
+# "kernel.field" sets one kernel's BV, num_warps, num_stages (BK: the key-block pair only)
 OVERRIDES = {k: int(v) for k, v in (kv.split("=") for kv in
                                     os.environ.get("PRISM_KERNEL_CONFIG", "").split(",") if kv)}
 
@@ -883,8 +883,8 @@ def launch_config(K, V, dtype, NE, n_seq):
     # <= 64 with ptxas for sm_90). The value block is the widest that still gives at least one
     # program per SM (132): 64 at the 130M model's shape (B = 16, H = 6, V = 256), 32 or 16 for
     # few sequences x heads (B*H = 6 at 1x32768), twice or four times the programs
-    state_bv = min(Vp, ov.get("state_bv", next(
-        (bv for bv in ((64, 32) if BK <= 128 else (32,)) if n_seq * triton.cdiv(V, bv) >= 132), 16)))
+    fill = lambda widths: next((w for w in widths if n_seq * triton.cdiv(V, w) >= 132), 16)
+    state_bv = min(Vp, ov.get("state_bv", fill((64, 32) if BK <= 128 else (32,))))
     bv = min(Vp, ov.get("bv", 32))
     small = BK <= 128
     # Warps: 4 wherever measured faster (16 x 2048, H = 6, K = 128, V = 256, bf16, H200): the
@@ -898,7 +898,6 @@ def launch_config(K, V, dtype, NE, n_seq):
     # spills ~1.6 KB/thread at K = 128 (4 warps; 0.9 at 8) and ~2.7 KB at K = 256 (bf16, sm_90).
     # With local_bk < K it runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk;
     # like fla's dq/dk kernel), at the price of reading dU, U, dO, h and dh once more.
-    bwd_state_bv = min(Vp, 32 if n_seq * triton.cdiv(V, 32) >= 132 else 16)
     cfg = dict(
         fwd_prep=dict(BV=bv, num_warps=4 if small else 8),
         fwd_state=dict(BV=state_bv, num_warps=4),
@@ -907,7 +906,7 @@ def launch_config(K, V, dtype, NE, n_seq):
         bwd_r=dict(BV=bv, num_warps=4),
         fwd_out=dict(BV=min(Vp, ov.get("bv", 64)), num_warps=4),
         bwd_dv_local=dict(BV=min(Vp, ov.get("bv", 128)), num_warps=4),
-        bwd_state=dict(BV=min(Vp, ov.get("state_bv", bwd_state_bv)), num_warps=4 if small else 8),
+        bwd_state=dict(BV=min(Vp, ov.get("state_bv", fill((32,)))), num_warps=4 if small else 8),
         bwd_rows=dict(BV=bv, num_warps=4 if BK <= 64 else 8),
         bwd_local=dict(BV=bv, num_warps=4),
         bwd_local_cc=dict(BV=min(Vp, ov.get("cc_bv", 16)), BK=cc_bk, num_warps=8),
@@ -917,9 +916,11 @@ def launch_config(K, V, dtype, NE, n_seq):
         name, _, field = key.partition(".")
         if not field:
             continue
-        if name not in cfg or field not in ("BV", "BK", "num_warps", "num_stages"):
+        # a kernel's own fields only (BK exists for the key-block pair alone: the others take all of K)
+        if name not in cfg or (field not in cfg[name] and field != "num_stages"):
             raise ValueError(f"prism_kernel.OVERRIDES: unknown launch override {key!r}; per-kernel keys are "
-                             f"<kernel>.<BV|BK|num_warps|num_stages> with <kernel> one of {', '.join(cfg)}")
+                             f"<kernel>.<field> with <kernel> one of {', '.join(cfg)} and <field> one of "
+                             f"its own ({', '.join(cfg.get(name, {}))}) or num_stages")
         cfg[name][field] = val
     if local_bk == BK:
         del cfg["bwd_local_cc"], cfg["bwd_local_dqk"]

@@ -149,7 +149,7 @@ def test_launch_rules_and_one_kernel_overrides(monkeypatch):
     assert {k: v for k, v in over["bwd_local"].items() if k != "num_warps"} == \
         {k: v for k, v in cfg["bwd_local"].items() if k != "num_warps"}
     # a misspelt kernel or field is an error, not a silently ignored key
-    for bad in ("bwd_locl.num_warps", "bwd_local.warps"):
+    for bad in ("bwd_locl.num_warps", "bwd_local.warps", "bwd_local.BK"):
         monkeypatch.setitem(prism_kernel.OVERRIDES, bad, 4)
         with pytest.raises(ValueError, match="unknown launch override"):
             prism_kernel.launch_config(128, 256, torch.bfloat16, 0, 16 * 6)
