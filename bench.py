@@ -57,23 +57,26 @@ def suite_config(path, over, **kw):
 
 
 def time_steps(step, warmup, steps, device):
-    """Median seconds of one call of step() after warm-up; the peak-memory counter is reset
-    after warm-up, so it holds the timed steps' peak (weights, grads and optimizer included)."""
+    """Mean seconds per call of step() over `steps` calls queued back to back after warm-up, the
+    way train.py runs them (it reads each step's loss one step late, so the GPU never waits for
+    the host at a step boundary). The peak-memory counter is reset after warm-up, so it holds the
+    timed steps' peak (weights, grads and optimizer included)."""
     for _ in range(warmup):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    ts = []
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - t0) / steps
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
     for _ in range(steps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); step(); e.record(); torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter(); step(); ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return ts[len(ts) // 2]
+        step()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / 1e3 / steps
 
 
 def autocast(device):
@@ -86,7 +89,7 @@ def bench_model(model, B, T, vocab, device, flops_per_token, steps=10, warmup=3,
     """Tokens/s, step time, MFU and peak memory of AdamW training steps on random tokens.
     ours: model(idx, targets) -> (_, loss); else a Hugging Face causal LM given labels."""
     model = model.to(device).train()
-    opt = (model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.type) if ours else
+    opt = (model.configure_optimizers(0.1, 1e-4, (0.9, 0.95)) if ours else
            torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                              fused=device.type == "cuda"))
     fwd = torch.compile(model) if compile else model
@@ -401,7 +404,7 @@ def arg_parser():
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--suite", action="store_true", help="the comparison table (rows above)")
     mode.add_argument("--loss", action="store_true", help="the loss implementations alone")
-    p.add_argument("--steps", type=int, default=10, metavar="N", help="timed steps (median reported); default 10")
+    p.add_argument("--steps", type=int, default=10, metavar="N", help="timed steps, queued back to back (mean reported); default 10")
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed steps first (compilation, autotune); default 3")
     p.add_argument("--out", default=None, metavar="FILE", help="JSON file, rewritten after every row; default "
                    "bench/results/train_bench.json (--suite), bench/results/loss_bench.json (--loss), "

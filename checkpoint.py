@@ -437,7 +437,7 @@ def consolidate(src, dst, log=_stderr):
     except (TypeError, ValueError) as e:
         raise CheckpointError(src, f"model_args do not fit this model.py: {e}")
     c = state["config"]
-    optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]), "cpu")
+    optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]))
     load_sharded(src, model, optimizer)
     buf = io.BytesIO()
     torch.save({**state, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, buf)

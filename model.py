@@ -1020,15 +1020,16 @@ class Model(nn.Module):
                 step()
         return autocast_step
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
         # decay matrices only: norms, biases, A_log and dt_bias (all 1-D) stay undecayed
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
         decay = [p for p in params.values() if p.dim() >= 2]
         no_decay = [p for p in params.values() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        fused = device_type == "cuda"
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        # fused on every device: one kernel per step, and its found_inf lets train.py skip a
+        # non-finite step on the device without waiting for the GPU
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     def flops_per_token(self, T=None):
         """Training FLOPs per token at context T (default block_size): training_flops_per_token

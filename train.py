@@ -299,7 +299,7 @@ def build_model(cfg, env, model_args):
     if env.fsdp:
         shard_model(raw_model, env)
     optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
-                                               (cfg["beta1"], cfg["beta2"]), env.device.type)
+                                               (cfg["beta1"], cfg["beta2"]))
     return raw_model, optimizer
 
 
@@ -426,12 +426,13 @@ def forward_loss(model, x, y):
 
 
 def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested):
-    """One optimizer step over the global batch. Gradients accumulate over this rank's
-    micro-steps (DDP: all-reduced on the last one only; FSDP: reduce-scattered after each, so that
-    no rank ever holds the whole model's gradient) and are clipped; a step whose loss or gradient
-    is not finite on any rank is skipped, weights and optimizer state left as they were. One
-    all-reduce also tells every rank whether any of them was asked to stop.
-    Returns (mean loss, grad norm, skipped?, stop?) and advances `prog`."""
+    """Queue one optimizer step over the global batch; nothing here waits for the GPU. Gradients
+    accumulate over this rank's micro-steps (DDP: all-reduced on the last one only; FSDP:
+    reduce-scattered after each, so that no rank ever holds the whole model's gradient) and are
+    clipped. A step whose loss or gradient is not finite on any rank is skipped on the device:
+    fused AdamW's found_inf leaves weights, moments and step count as they were. The same
+    all-reduce tells every rank whether any of them was asked to stop.
+    Advances `prog`'s position; returns the step's StepResult, which the host reads later."""
     B, T = cfg["batch_size"], cfg["block_size"]
     accum = cfg["gradient_accumulation_steps"] // env.world
     lr = get_lr(prog.iter_num, cfg)
@@ -451,19 +452,40 @@ def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested
     if env.fsdp:
         grad_norm = grad_norm.full_tensor()  # a DTensor: the norm over all the ranks' shards
     bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+    # torch.full, not torch.tensor: a copy from pageable host memory would wait for the GPU
     flags = env.all_sum(torch.stack([loss_sum / accum, bad.float(),
-                                     torch.tensor(float(stop_requested), device=env.device)]))
-    loss_val, bad, stop = (flags[0] / env.world).item(), flags[1].item() > 0, flags[2].item() > 0
-    if bad:
-        prog.skipped += 1
-        prog.bad_streak += 1
-    else:
-        optimizer.step()
-        prog.bad_streak = 0
+                                     torch.full((), float(stop_requested), device=env.device)]))
+    optimizer.found_inf = (flags[1] > 0).float()
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     prog.iter_num += 1
     prog.data_pos += B * cfg["gradient_accumulation_steps"]
-    return loss_val, grad_norm.item(), bad, stop
+    return StepResult(prog.iter_num, prog.data_pos,
+                      torch.stack([flags[0] / env.world, grad_norm.float(), flags[1], flags[2]]))
+
+
+class StepResult:
+    """One queued step's loss, grad norm, skipped? and stop? on their way to the host: copied into
+    pinned memory behind the step's kernels and read (`read()`) once the next step is queued, so
+    the GPU never waits for the host at a step boundary (with a sync per step it idles while the
+    host queues the next step's first kernels)."""
+
+    def __init__(self, iter_num, data_pos, stats):
+        self.iter_num, self.data_pos, self.done = iter_num, data_pos, None
+        if stats.is_cuda:
+            self.stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            self.stats.copy_(stats, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.stats = stats
+
+    def read(self):
+        """(loss, grad norm, skipped, stop requested on some rank); waits for this step alone."""
+        if self.done is not None:
+            self.done.synchronize()
+        loss, grad_norm, bad, stop = self.stats.tolist()
+        return loss, grad_norm, bad > 0, stop > 0
 
 
 # -----------------------------------------------------------------------------------------------
@@ -575,18 +597,18 @@ class RunLog:
             self.wandb.finish()
 
 
-def log_step(runlog, env, raw_model, cfg, prog, loss, grad_norm, dt, dt_avg):
+def log_step(runlog, env, raw_model, cfg, prog, res, loss, grad_norm, dt, dt_avg):
     T = cfg["block_size"]
     tokens_per_iter = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * T
-    lr = get_lr(prog.iter_num - 1, cfg)
+    lr = get_lr(res.iter_num - 1, cfg)
     # MFU against a GPU's peak means nothing on a CPU
     mfu = (raw_model.estimate_mfu(cfg["batch_size"] * cfg["gradient_accumulation_steps"] // env.world, dt)
            if env.device.type == "cuda" else None)
-    eta = dt_avg * (cfg["max_iters"] - prog.iter_num)
-    env.log(f"iter {prog.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} tok/s, "
+    eta = dt_avg * (cfg["max_iters"] - res.iter_num)
+    env.log(f"iter {res.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} tok/s, "
             + (f"mfu {mfu * 100:.1f}%, " if mfu is not None else "")
             + f"grad {grad_norm:.3f}, eta {fmt_time(eta)}")
-    runlog.write({"iter": prog.iter_num, "loss": loss, "lr": lr, "tokens": prog.data_pos * T,
+    runlog.write({"iter": res.iter_num, "loss": loss, "lr": lr, "tokens": res.data_pos * T,
                   "tok_s": tokens_per_iter / dt, **({"mfu": mfu} if mfu is not None else {}),
                   "grad_norm": grad_norm, "skipped": prog.skipped, "dt": dt,
                   **({"mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30}
@@ -633,7 +655,8 @@ class StopNow(BaseException):
 
 class StopSignals:
     """SIGTERM / SIGINT. The first asks for a checkpoint after the current step (the loop reads
-    `requested` once a step, all ranks together) and says so at once; a second stops at once
+    `requested` once a step; under DDP the ranks agree through the next step's flags, one step
+    later) and says so at once; a second stops at once
     without saving. A repeat within REPEAT_S seconds is the same request delivered twice
     (launchers such as torchrun and SLURM signal the workers as well as themselves): ignored."""
     REPEAT_S = 1.0
@@ -663,12 +686,12 @@ class StopSignals:
             raise StopNow(signum)
 
 
-def report_bad_step(prog, cfg, env):
-    env.log(f"warning: iter {prog.iter_num}: non-finite loss or gradient; update skipped "
+def report_bad_step(prog, cfg, env, iter_num):
+    env.log(f"warning: iter {iter_num}: non-finite loss or gradient; update skipped "
             f"({prog.bad_streak} in a row, {prog.skipped} in total)")
     if prog.bad_streak >= cfg["max_bad_steps"]:
         good = list_checkpoints(cfg["out_dir"])
-        raise UserError(f"aborting at iter {prog.iter_num}: {prog.bad_streak} consecutive non-finite "
+        raise UserError(f"aborting at iter {iter_num}: {prog.bad_streak} consecutive non-finite "
                         f"steps (max_bad_steps={cfg['max_bad_steps']}); last good checkpoint: "
                         f"{good[0] if good else 'none'}. Lower learning_rate or check the data.")
 
@@ -770,14 +793,43 @@ def train(cfg):
     runlog = RunLog(cfg, env, resumed_at)
     stop = StopSignals(announce=env.master)
     T = cfg["block_size"]
-    t_start, dt_avg, last_eval, oom = time.time(), None, resumed_at, False
+    t_start, last_eval, oom = time.time(), resumed_at, False
+    t_mark, dt_avg = time.time(), None
+
+    def settle(res, force_log=False):
+        """Take in a queued step's outcome: count a skipped step (aborting after max_bad_steps in a
+        row), log it, and say whether some rank asked to stop."""
+        nonlocal t_mark, dt_avg
+        loss, grad_norm, bad, stopping = res.read()
+        now = time.time()
+        dt, t_mark = now - t_mark, now   # read to read: the step's time once steps queue back to back
+        dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+        if bad:
+            prog.skipped += 1
+            prog.bad_streak += 1
+            report_bad_step(prog, cfg, env, res.iter_num)  # raises after max_bad_steps in a row
+        else:
+            prog.bad_streak = 0
+        if (res.iter_num % cfg["log_interval"] == 0 or res.iter_num == cfg["max_iters"]
+                or stopping or force_log):
+            log_step(runlog, env, raw_model, cfg, prog, res, loss, grad_norm, dt, dt_avg)
+        return stopping
+
     stop.install()
     try:
         announce(cfg, env, raw_model)
         check_cpu_speed(raw_model, cfg, env)
+        pending, stopping = None, False   # the step queued last: read once the next one is queued
         while True:
             final = prog.iter_num >= cfg["max_iters"]
-            if (prog.iter_num % cfg["eval_interval"] == 0 or final) and prog.iter_num != last_eval:
+            evaluating = (prog.iter_num % cfg["eval_interval"] == 0 or final) and prog.iter_num != last_eval
+            if pending is not None and (evaluating or stopping):  # a save must know every step's outcome
+                stopping, pending = settle(pending, force_log=stopping) or stopping, None
+            if stopping:
+                env.log(f"received {stop.name or 'a stop signal on another rank'} at iter {prog.iter_num}: "
+                        f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}; exiting")
+                break
+            if evaluating:
                 last_eval = prog.iter_num
                 val = evaluate(raw_model, data, cfg, env)
                 env.log(f"iter {prog.iter_num}: val loss {val:.4f}")
@@ -786,22 +838,15 @@ def train(cfg):
                 prog.best_val_loss = min(prog.best_val_loss, val)
                 if prog.iter_num > 0 and (improved or cfg["always_save_checkpoint"] or final):
                     env.log(f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}")
+                t_mark = time.time()
             if final:
                 break
-
-            t0 = time.time()
-            loss, grad_norm, bad, stopping = train_step(model, raw_model, optimizer, data, cfg, env,
-                                                        prog, stop.requested)
-            if bad:
-                report_bad_step(prog, cfg, env)  # raises after max_bad_steps in a row
-            dt = time.time() - t0
-            dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-            if prog.iter_num % cfg["log_interval"] == 0 or prog.iter_num == cfg["max_iters"] or stopping:
-                log_step(runlog, env, raw_model, cfg, prog, loss, grad_norm, dt, dt_avg)
-            if stopping:
-                env.log(f"received {stop.name or 'a stop signal on another rank'} at iter {prog.iter_num}: "
-                        f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}; exiting")
-                break
+            queued = train_step(model, raw_model, optimizer, data, cfg, env, prog, stop.requested)
+            if pending is not None:  # the GPU holds the queued step while the host reads this one
+                stopping = settle(pending)
+            # one process needs no word from other ranks: stop after the step it was asked during
+            stopping = stopping or (not env.ddp and stop.requested)
+            pending = queued
     except torch.OutOfMemoryError:
         if env.device.type != "cuda":
             raise

@@ -110,7 +110,7 @@ def report(kernels, steps):
 def profile(model, B, T, vocab, flops_per_token, ours=True, compile=False, steps=3, warmup=3,
             trace=None):
     model = model.cuda().train()
-    opt = (model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), "cuda") if ours else
+    opt = (model.configure_optimizers(0.1, 1e-4, (0.9, 0.95)) if ours else
            torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True))
     fwd = torch.compile(model) if compile else model
     x = torch.randint(0, vocab, (B, T + 1), device="cuda")

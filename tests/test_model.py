@@ -211,7 +211,7 @@ def test_token_ids_out_of_vocab_error():
 
 def test_optimizer_groups():
     model = Model(ModelConfig(**TINY, mixer="prism"))
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
     decay, no_decay = opt.param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     nd = {names[id(p)].split(".")[-1] for p in no_decay["params"]}

@@ -47,7 +47,7 @@ def test_chunk_matches_float64_naive_on_gpu(dtype, tol, L):
 def test_130m_training_steps_chunk_backend(mixer):
     torch.manual_seed(0)
     model = Model(ModelConfig(mixer=mixer, block_size=2048), backend="chunk").cuda()
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
     x = torch.randint(0, 32000, (2, 2049), device="cuda")
     losses = []
     for _ in range(3):

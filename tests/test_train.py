@@ -533,6 +533,36 @@ def test_nan_step_skipped_then_abort(data, tmp_path, capsys, monkeypatch):
     assert checkpoint.list_checkpoints(out2)[0].endswith("ckpt_0000003.pt")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_train_step_never_waits_for_the_gpu(data, tmp_path, monkeypatch, compiled):
+    """Queuing a step (data, forward, backward, clip, the skip of a non-finite step, AdamW) makes
+    no host-device sync: torch's sync debug mode turns any into an error. The first step is left
+    out (lazy initialisation: compilation, the optimizer's state)."""
+    calls = []
+    real = train.train_step
+
+    def checked(*a, **k):
+        calls.append(1)
+        torch.cuda.set_sync_debug_mode("error" if len(calls) > 1 else 0)
+        try:
+            return real(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    monkeypatch.setattr(train, "train_step", checked)
+    poison(monkeypatch, {3})
+    out = tmp_path / f"nosync{compiled}"
+    assert run(args(data, out, "--device=cuda", "--dtype=bfloat16", f"--compile={compiled}", "--head_dim=64",
+                    "--max_iters=6", "--eval_interval=100")) == 0
+    assert len(calls) == 6
+    losses, _ = read_log(out)
+    assert losses[3]["loss"] is None and losses[2]["skipped"] == 0 and losses[6]["skipped"] == 1
+    assert all(np.isfinite(losses[i]["loss"]) for i in (1, 2, 4, 5, 6))
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert all(int(s["step"]) == 5 for s in ckpt["optimizer"]["state"].values())  # skipped on the device
+
+
 def test_no_test_hook_in_the_config():
     assert "debug_nan_iters" not in settings.DEFAULTS
     with pytest.raises(settings.UserError, match="unknown config key 'debug_nan_iters'"):
