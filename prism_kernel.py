@@ -884,9 +884,9 @@ def launch_config(K, V, dtype, NE, n_seq):
     # program per SM (132): 64 at the 130M model's shape (B = 16, H = 6, V = 256), 32 or 16 for
     # few sequences x heads (B*H = 6 at 1x32768), twice or four times the programs
     fill = lambda widths: next((w for w in widths if n_seq * triton.cdiv(V, w) >= 132), 16)
-    state_bv = min(Vp, ov.get("state_bv", fill((64, 32) if BK <= 128 else (32,))))
-    bv = min(Vp, ov.get("bv", 32))
     small = BK <= 128
+    state_bv = min(Vp, ov.get("state_bv", fill((64, 32) if small else (32,))))
+    bv = min(Vp, ov.get("bv", 32))
     # Warps: 4 wherever measured faster (16 x 2048, H = 6, K = 128, V = 256, bf16, H200): the
     # kernels that run out of registers at 8 warps (255 per thread: one program per SM) run two
     # programs per SM at 4, which hides more latency than their extra spills cost (the local
@@ -898,13 +898,17 @@ def launch_config(K, V, dtype, NE, n_seq):
     # spills ~1.6 KB/thread at K = 128 (4 warps; 0.9 at 8) and ~2.7 KB at K = 256 (bf16, sm_90).
     # With local_bk < K it runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk;
     # like fla's dq/dk kernel), at the price of reading dU, U, dO, h and dh once more.
+    # With injected rows (NE > 0) the prep and the output pass also take wider value blocks (64
+    # and 128 at K <= 128 in bf16/fp16): they re-read Ke and the rows' tiles once per value block
+    # (bench/results/kernel_sweep_2026-12-01_1745.txt: L = 3 prep 679 -> 510 us, output 321 -> 287).
+    rows = NE > 0 and small and es == 2
     cfg = dict(
-        fwd_prep=dict(BV=bv, num_warps=4 if small else 8),
+        fwd_prep=dict(BV=min(Vp, ov.get("bv", 64 if rows else 32)), num_warps=4 if small else 8),
         fwd_state=dict(BV=state_bv, num_warps=4),
         bwd_h=dict(BV=state_bv, num_warps=4),
         bwd_w=dict(BV=bv, num_warps=4),   # BV unused
         bwd_r=dict(BV=bv, num_warps=4),
-        fwd_out=dict(BV=min(Vp, ov.get("bv", 64)), num_warps=4),
+        fwd_out=dict(BV=min(Vp, ov.get("bv", 128 if rows else 64)), num_warps=4),
         bwd_dv_local=dict(BV=min(Vp, ov.get("bv", 128)), num_warps=4),
         bwd_state=dict(BV=min(Vp, ov.get("state_bv", fill((32,)))), num_warps=4 if small else 8),
         bwd_rows=dict(BV=bv, num_warps=4 if BK <= 64 else 8),
@@ -1345,6 +1349,17 @@ def _check(q, k, v, g, beta, ke, ve, initial_state, cu_seqlens):
         raise ValueError("chunk_prism: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
 
 
+def _kernel_dtype(dt, K, V):
+    """The kernels' compute dtype for inputs promoted to dt. Head dims below 64 in half precision
+    run in float32 on a GPU: in bf16 at K = 16 the forward gave non-finite outputs on the H200
+    (Triton 3.6; float32 passed at the same shapes), and the GPU-tested matrix starts at 64. Heads
+    that small serve tests and debugging, not speed. The CPU interpreter keeps dt (its half
+    precision paths are what the tiny CPU tests check)."""
+    if dt != torch.float32 and min(K, V) < 64 and not _interpreting():
+        return torch.float32
+    return dt
+
+
 def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
                 output_final_state=False, cu_seqlens=None, l2norm_qk=False):
     """PRISM / gated delta rule, chunk-parallel Triton kernels; exact semantics of
@@ -1366,6 +1381,7 @@ def chunk_prism(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=No
     dt = q.dtype
     for x in (k, v, ke, ve):
         dt = dt if x is None else torch.promote_types(dt, x.dtype)
+    dt = _kernel_dtype(dt, q.shape[-1], v.shape[-1])
     q, k = (x.to(dt) if l2norm_qk else x.to(dt).contiguous() for x in (q, k))   # _l2norm_rows reads views
     v, g, beta = v.to(dt).contiguous(), g.contiguous(), beta.contiguous()
     if ke is not None:
