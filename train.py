@@ -823,7 +823,8 @@ def train(cfg):
         while True:
             final = prog.iter_num >= cfg["max_iters"]
             evaluating = (prog.iter_num % cfg["eval_interval"] == 0 or final) and prog.iter_num != last_eval
-            if pending is not None and (evaluating or stopping):  # a save must know every step's outcome
+            # a save or the end must know every step's outcome first
+            if pending is not None and (evaluating or stopping or final):
                 stopping, pending = settle(pending, force_log=stopping) or stopping, None
             if stopping:
                 env.log(f"received {stop.name or 'a stop signal on another rank'} at iter {prog.iter_num}: "
