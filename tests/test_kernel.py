@@ -135,6 +135,7 @@ def test_tiny_half_vs_naive(dtype):
 
 def test_small_half_precision_heads_run_in_float32_on_a_gpu(monkeypatch):
     # compiled for a GPU (not the interpreter), bf16/fp16 heads below 64 take the float32 kernels
+    monkeypatch.setattr(prism_kernel, "_interpreting", lambda: True)
     assert prism_kernel._kernel_dtype(torch.bfloat16, 16, 32) == torch.bfloat16   # interpreter: as given
     monkeypatch.setattr(prism_kernel, "_interpreting", lambda: False)
     for dt in (torch.bfloat16, torch.float16):
