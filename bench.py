@@ -12,7 +12,7 @@ fla's FusedCrossEntropyLoss (its model's default) and Liger-Kernel's, where impo
     python bench.py --loss --out=bench/results/loss_bench.json
 
 Suite rows: the 130M config files (transformer with FlashAttention when importable, else SDPA;
-GDN; PRISM L=2 and L=3, and L=3 with recompute_solver=False; hybrid; --models picks rows by
+GDN; PRISM L=2 and L=3, and L=3 with recompute_solver=False or fused_chain=False; hybrid; --models picks rows by
 name or name prefix) and flash-linear-attention's GatedDeltaNetForCausalLM of the same
 shape, run as its users run it: its own defaults (fused norm, SwiGLU and cross-entropy), labels
 passed so it computes its loss, eager and compiled. A row that fails (out of memory, a compile
@@ -46,6 +46,7 @@ SUITE = [
     ("prism L=2", "config/prism_130m.py", dict(solver_steps=2), {}),
     ("prism L=3", "config/prism_130m.py", {}, {}),
     ("prism L=3 (solver saved)", "config/prism_130m.py", {}, dict(recompute_solver=False)),
+    ("prism L=3 (chain in PyTorch)", "config/prism_130m.py", {}, dict(fused_chain=False)),
     ("hybrid (prism L=3 + attn 5,11)", "config/hybrid_130m.py", {}, {}),
 ]
 FLA = "fla GatedDeltaNet"  # the peer's row name (select it with --models=fla)

@@ -9,9 +9,10 @@ Read top to bottom:
   5. training arithmetic         chunked linear cross-entropy (no full logits), FLOPs per token
   6. decoding                    the static Cache, one-GEMM decode weights, sampling, CUDA graphs
 
-The PRISM update lives in one place: `PRISM.solver_rows` (PRISM_SPEC.md §2). It turns the
-layer input into L-1 extra (key, value) pairs per token; the recurrence writes them into the
-state without erasing, next to GDN's own delta-rule write:
+The PRISM update lives in `PRISM.solver_rows` and `solver_chain` (PRISM_SPEC.md §2): the
+solver's projections of the layer input, then the greedy steps that turn them into L-1 extra
+(key, value) pairs per token; the recurrence writes them into the state without erasing, next
+to GDN's own delta-rule write:
 
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T + sum_l ke_t^(l) ve_t^(l)^T
 """
@@ -529,6 +530,33 @@ class GatedDeltaNet(nn.Module):
         return self.o_proj(pk.gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps))
 
 
+def solver_chain(v, u, gains, keys, steps, mode="gelu", nonlinear=True):
+    """Algorithm 1's greedy steps (PRISM_SPEC §2.2) from the solver's projections: v [B,T,H,V]
+    the layer's values; u [B,T,H*V] the proxy of S_{t-1} k_t; gains: L-1 of [B,T,H*V] (none:
+    p = 1); keys: L-1 raw keys [B,T,H*K], or one for every step; steps [B,T,H*(L-1)] logits of
+    the step sizes b. Returns ke [B,T,H,L-1,K] (unit keys) and ve = b * delta [B,T,H,L-1,V].
+    The Triton backend runs prism_kernel.solver_chain, the same chain in one kernel each way:
+    a change here needs the same change there, or `fused_chain = False` on the PRISM layers."""
+    B, T, H, V = v.shape
+    n = steps.shape[-1] // H                                  # L - 1
+    r = v - u.view(B, T, H, V)                                # residual after GDN's write
+    keys = [F.normalize(k.view(B, T, H, -1), dim=-1) for k in keys]
+    b = steps.view(B, T, H, n).sigmoid()
+    ke, deltas = [], []
+    for l in range(n):
+        p = gains[l].view(B, T, H, V) if gains else torch.ones_like(r)
+        if mode == "gelu":
+            d = F.gelu(p * r) if nonlinear else p * r
+        else:  # closed form: preconditioner sigmoid(p), r <- (1 - sigmoid(p)) r
+            d = torch.sigmoid(p) * r
+        r = r - d                                             # greedy residual subtraction
+        deltas.append(d)
+        ke.append(keys[l] if len(keys) > 1 else keys[0])
+    ke = torch.stack(ke, 3)
+    ve = torch.stack(deltas, 3) * b[..., None]
+    return ke.to(v.dtype), ve.to(v.dtype)
+
+
 class PRISM(GatedDeltaNet):
     """PRISM_SPEC §2: GDN's forgetting and write, plus a rank-(L-1) solver correction computed
     from the input alone (an anchor a_t = silu(ShortConv(x))_t standing in for S_{t-1} k_t)."""
@@ -551,6 +579,7 @@ class PRISM(GatedDeltaNet):
         self.gain_up = nn.ModuleList(nn.Linear(r, H * V, bias=False) for _ in range(n_gains))
         self.step_proj = nn.Linear(D, H * (L - 1), bias=False)   # b^(l), per head and step
         self.recompute = True   # solver_write: recompute the rows in the backward (Model.recompute_solver)
+        self.fused_chain = True  # Triton backend: prism_kernel.solver_chain in place of solver_chain
 
     def cache_buffers(self, batch_size, max_len, device, dtype):
         bufs = super().cache_buffers(batch_size, max_len, device, dtype)
@@ -564,7 +593,7 @@ class PRISM(GatedDeltaNet):
         layer's key before its l2 norm."""
         if self.L == 1:
             return None, None
-        base = F.normalize(k, dim=-1) if self.cfg.solver_keys == "base" else None
+        base = k if self.cfg.solver_keys == "base" else None
         if self.recompute and buf is None and torch.is_grad_enabled():
             # keep the inputs x and v (held for the layer's other backward terms anyway), not
             # the anchor, the up-projections and the residuals: the backward reruns the anchor
@@ -574,32 +603,19 @@ class PRISM(GatedDeltaNet):
 
     def solver_rows(self, x, v, base, fused=False, seg=None, buf=None, reset=None):
         """Algorithm 1 from the layer input x [B,T,D] and its values v [B,T,H,V]: the anchor, its
-        rank-r down-projections, the step gates b, then the greedy residual steps (base: the
-        layer's own normalised keys, for solver_keys="base")."""
-        cfg, H, K, V, B, T = self.cfg, self.H, self.K, self.V, x.shape[0], x.shape[1]
+        rank-r down-projections and their up-projections, the step logits, then `solver_chain`,
+        the greedy residual steps (base: the layer's own keys, for solver_keys="base")."""
+        cfg = self.cfg
         a = self.anchor_conv(x, buf, reset, fused, seg) if cfg.solver_anchor else F.silu(x)
         z = self.solver_down(a).split(cfg.solver_rank, -1)
-        u = self.u_up(z[0]).view(B, T, H, V)                      # proxy of S_{t-1} k_t
-        r = v - u                                                 # residual after GDN's write
-        keys = [F.normalize(self.key_up[i](z[1 + i]).view(B, T, H, K), dim=-1)
-                for i in range(self.n_keys)]
-        gains = [self.gain_up[i](z[1 + self.n_keys + i]).view(B, T, H, V)
-                 for i in range(self.n_gains)]
-        b = self.step_proj(a).sigmoid().view(B, T, H, self.L - 1)
-        ke, deltas = [], []
-        for l in range(self.L - 1):
-            p = gains[l] if cfg.solver_gain else torch.ones_like(r)
-            if cfg.solver_mode == "gelu":
-                d = F.gelu(p * r) if cfg.solver_nonlinear else p * r
-            else:  # closed form: preconditioner sigmoid(p), r <- (1 - sigmoid(p)) r
-                d = torch.sigmoid(p) * r
-            r = r - d                                             # greedy residual subtraction
-            deltas.append(d)
-            ke.append({"own": keys[l] if self.n_keys > l else None,
-                       "shared": keys[0] if self.n_keys else None, "base": base}[cfg.solver_keys])
-        ke = torch.stack(ke, 3)
-        ve = torch.stack(deltas, 3) * b[..., None]
-        return ke.to(v.dtype), ve.to(v.dtype)
+        u = self.u_up(z[0])                                       # proxy of S_{t-1} k_t, [B,T,H*V]
+        keys = [base] if base is not None else [self.key_up[i](z[1 + i]) for i in range(self.n_keys)]
+        gains = [self.gain_up[i](z[1 + self.n_keys + i]) for i in range(self.n_gains)]
+        steps = self.step_proj(a)                                 # logits of b^(l), [B,T,H*(L-1)]
+        chain = solver_chain
+        if fused and self.fused_chain and self.L <= 4 and v.dtype != torch.float64:
+            chain = kernels().solver_chain   # the same chain in one Triton kernel each way
+        return chain(v, u, gains, keys, steps, cfg.solver_mode, cfg.solver_nonlinear)
 
     def solver_step(self, x, buf, reset):
         """solver_write's projections for the decoding kernel, which forms ke, ve from them
@@ -860,6 +876,18 @@ class Model(nn.Module):
     def recompute_solver(self, on):
         self._recompute_solver = bool(on)
         self._set_solver_recompute()
+
+    @property
+    def fused_chain(self):
+        """PRISM layers on the Triton backend run their solver chain as prism_kernel.solver_chain
+        (True, the default) or as model.solver_chain's PyTorch ops (False: for a changed rule)."""
+        return all(m.fused_chain for m in self.modules() if isinstance(m, PRISM))
+
+    @fused_chain.setter
+    def fused_chain(self, on):
+        for m in self.modules():
+            if isinstance(m, PRISM):
+                m.fused_chain = bool(on)
 
     def _set_solver_recompute(self):
         # inside a block that is itself rerun (activation_checkpointing=True) the solver's own

@@ -12,8 +12,9 @@ Entry points:
                 output_final_state=False, cu_seqlens=None, l2norm_qk=False) -> (o, final_state)
     recurrent_prism_step, conv_step, ...  # decoding against a cache: the last section documents them
     causal_conv(x, weight, silu=True, cu_seqlens=None) -> y   # the layers' short conv, autograd-aware
+    solver_chain(v, u, gains, keys, steps, mode, nonlinear) -> (ke, ve)   # model.solver_chain fused
 Fixed-length calls run as torch.library custom ops (<module>::chunk_fwd / chunk_bwd, conv_fwd /
-conv_bwd, with fake-tensor shapes), so torch.compile keeps a model using them in one graph.
+conv_bwd, solver_fwd / solver_bwd, with fake-tensor shapes), so torch.compile keeps a model using them in one graph.
 
 Per chunk (local positions t, i; G = in-chunk cumulative log-decay; Gam[t,i] = exp(G_t - G_i)):
     A  = diag(beta) (Gam * strict_tril(K K^T)),   E_l = Gam * strict_tril(K Ke_l^T)
@@ -58,7 +59,7 @@ are kept in that dtype.
 """
 import os
 import re
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -1624,6 +1625,260 @@ def causal_conv(x, weight, silu=True, cu_seqlens=None):
     if pos is None:
         return _ops().conv_fwd(x.contiguous(), weight.contiguous(), bool(silu))
     return CausalConvFunction.apply(x.contiguous(), weight.contiguous(), bool(silu), pos)
+
+
+# ----------------------------------------------------------------------------------------------
+# PRISM's solver chain (PRISM_SPEC §2.2; model.solver_chain is its PyTorch form and the reference
+# the tests hold this to): from the layer's values v and the solver's projections (the proxy u,
+# the gains p_l, the raw keys, the step logits s_l) the injected keys ke_l = l2norm(key_l) and
+# values ve_l = sigmoid(s_l) d_l, with r_0 = v - u, d_l = f(p_l, r_l), r_{l+1} = r_l - d_l.
+# One pass over the rows each way, in float32 registers; the backward recomputes the chain from
+# the same inputs instead of saving r_l, d_l. Compiled, the same chain as PyTorch ops took two
+# passes forward and several backward, each a round trip of [B,T,H,V] tensors through HBM.
+# A row is one (token, head): v, u, p_l are [rows, V], keys [rows, K], steps [rows, L-1].
+# MODE 0: d = GELU(p r) (exact erf GELU); 1: d = p r; 2: d = sigmoid(p) r (closed form).
+# Without GAIN, p = 1. NK = 1: one key for every step (solver_keys "shared" and "base").
+
+@triton.jit
+def _pick3(l: tl.constexpr, a, b, c):
+    return a if l == 0 else (b if l == 1 else c)
+
+
+@triton.jit
+def _solver_delta(p, r, GAIN: tl.constexpr, MODE: tl.constexpr):
+    # d = f(p, r) and its partial derivatives dd/dr, dd/dp
+    if MODE == 2:
+        sg = tl.sigmoid(p)
+        d = sg * r
+        d_r = sg
+        d_p = sg * (1. - sg) * r
+    else:
+        if GAIN:
+            x = p * r
+        else:
+            x = r
+        if MODE == 0:
+            cdf = 0.5 * (1. + tl.erf(x * 0.7071067811865476))
+            gx = cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+            d = x * cdf
+        else:
+            gx = x * 0. + 1.
+            d = x
+        if GAIN:
+            d_r = gx * p
+        else:
+            d_r = gx
+        d_p = gx * r
+    return d, d_r, d_p
+
+
+@triton.jit
+def _solver_tiles(N, V: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+    # this program's rows (int64: rows x V passes 2^31 near 1.4M tokens at H = 6, V = 256), masks
+    # and element offsets into the [rows, V] and [rows, K] inputs
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < N
+    o_v = tl.arange(0, BV)
+    o_k = tl.arange(0, BK)
+    m_v = m_r[:, None] & (o_v < V)[None, :]
+    m_k = m_r[:, None] & (o_k < K)[None, :]
+    return rows, m_r, o_v, o_k, m_v, m_k, rows[:, None] * V + o_v[None, :], rows[:, None] * K + o_k[None, :]
+
+
+@triton.jit
+def _solver_gain(l: tl.constexpr, p0, p1, p2, x_v, m_v, GAIN: tl.constexpr):
+    # step l's gain tile (float32), or ones without gains
+    if GAIN:
+        b_p = tl.load(_pick3(l, p0, p1, p2) + x_v, mask=m_v, other=0.).to(tl.float32)
+    else:
+        b_p = tl.full(x_v.shape, 1., tl.float32)
+    return b_p
+
+
+@triton.jit
+def _solver_fwd(v, u, p0, p1, p2, k0, k1, k2, st, ke, ve, N, V: tl.constexpr, K: tl.constexpr,
+                NE: tl.constexpr, NK: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                GAIN: tl.constexpr, MODE: tl.constexpr):
+    rows, m_r, o_v, o_k, m_v, m_k, x_v, x_k = _solver_tiles(N, V, K, BR, BV, BK)
+    b_r = (tl.load(v + x_v, mask=m_v, other=0.).to(tl.float32)
+           - tl.load(u + x_v, mask=m_v, other=0.).to(tl.float32))
+    b_e = tl.zeros([BR, BK], dtype=tl.float32)
+    if NK == 1:
+        b_e = _l2norm_tile(tl.load(k0 + x_k, mask=m_k, other=0.).to(tl.float32))
+    for l in tl.static_range(NE):
+        b_p = _solver_gain(l, p0, p1, p2, x_v, m_v, GAIN)
+        b_d, _, _ = _solver_delta(b_p, b_r, GAIN, MODE)
+        b_r = b_r - b_d
+        b_b = tl.sigmoid(tl.load(st + rows * NE + l, mask=m_r, other=0.).to(tl.float32))
+        tl.store(ve + (rows * NE + l)[:, None] * V + o_v[None, :], (b_d * b_b[:, None]).to(ve.dtype.element_ty),
+                 mask=m_v)
+        if NK > 1:
+            b_e = _l2norm_tile(tl.load(_pick3(l, k0, k1, k2) + x_k, mask=m_k, other=0.).to(tl.float32))
+        tl.store(ke + (rows * NE + l)[:, None] * K + o_k[None, :], b_e.to(ke.dtype.element_ty), mask=m_k)
+
+
+@triton.jit
+def _l2norm_tile(x):
+    # F.normalize(x, dim=-1): x / max(|x|, 1e-12), per row
+    return x / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)[:, None]
+
+
+@triton.jit
+def _l2norm_tile_grad(x, dy):
+    n = tl.sqrt(tl.sum(x * x, axis=1))
+    nc = tl.maximum(n, 1e-12)[:, None]
+    y = x / nc
+    return dy / nc - tl.where(n > 1e-12, tl.sum(y * dy, axis=1), 0.)[:, None] * y / nc
+
+
+@triton.jit
+def _solver_bwd(v, u, p0, p1, p2, k0, k1, k2, st, dke, dve, dv, du, dp0, dp1, dp2, dk0, dk1, dk2, dst, N,
+                V: tl.constexpr, K: tl.constexpr, NE: tl.constexpr, NK: tl.constexpr, BR: tl.constexpr,
+                BV: tl.constexpr, BK: tl.constexpr, GAIN: tl.constexpr, MODE: tl.constexpr):
+    # reverse over the steps; r_l is recomputed from r_0 for each (NE <= 3: at most 3 extra sweeps)
+    #   g = b_l dve_l - dr_{l+1};  dr_l = dr_{l+1} + g dd/dr;  dp_l = g dd/dp;  ds_l = b'(s_l) sum_v dve_l d_l
+    rows, m_r, o_v, o_k, m_v, m_k, x_v, x_k = _solver_tiles(N, V, K, BR, BV, BK)
+    b_r0 = (tl.load(v + x_v, mask=m_v, other=0.).to(tl.float32)
+            - tl.load(u + x_v, mask=m_v, other=0.).to(tl.float32))
+    b_dr = tl.zeros([BR, BV], dtype=tl.float32)
+    b_dks = tl.zeros([BR, BK], dtype=tl.float32)   # NK = 1: the shared key's gradient, summed over steps
+    for j in tl.static_range(NE):
+        b_r = b_r0
+        for i in tl.static_range(NE - 1 - j):
+            b_p = _solver_gain(i, p0, p1, p2, x_v, m_v, GAIN)
+            b_d, _, _ = _solver_delta(b_p, b_r, GAIN, MODE)
+            b_r = b_r - b_d
+        b_p = _solver_gain(NE - 1 - j, p0, p1, p2, x_v, m_v, GAIN)
+        b_d, d_r, d_p = _solver_delta(b_p, b_r, GAIN, MODE)
+        b_b = tl.sigmoid(tl.load(st + rows * NE + NE - 1 - j, mask=m_r, other=0.).to(tl.float32))
+        b_dve = tl.load(dve + (rows * NE + NE - 1 - j)[:, None] * V + o_v[None, :], mask=m_v, other=0.).to(tl.float32)
+        tl.store(dst + rows * NE + NE - 1 - j, tl.sum(b_dve * b_d, axis=1) * b_b * (1. - b_b), mask=m_r)
+        b_g = b_dve * b_b[:, None] - b_dr
+        b_dr = b_dr + b_g * d_r
+        if GAIN:
+            tl.store(_pick3(NE - 1 - j, dp0, dp1, dp2) + x_v, (b_g * d_p).to(dp0.dtype.element_ty), mask=m_v)
+        b_dke = tl.load(dke + (rows * NE + NE - 1 - j)[:, None] * K + o_k[None, :], mask=m_k, other=0.).to(tl.float32)
+        if NK == 1:
+            b_dks += b_dke
+        else:
+            b_x = tl.load(_pick3(NE - 1 - j, k0, k1, k2) + x_k, mask=m_k, other=0.).to(tl.float32)
+            tl.store(_pick3(NE - 1 - j, dk0, dk1, dk2) + x_k, _l2norm_tile_grad(b_x, b_dke).to(dk0.dtype.element_ty),
+                     mask=m_k)
+    if NK == 1:
+        b_x = tl.load(k0 + x_k, mask=m_k, other=0.).to(tl.float32)
+        tl.store(dk0 + x_k, _l2norm_tile_grad(b_x, b_dks).to(dk0.dtype.element_ty), mask=m_k)
+    tl.store(dv + x_v, b_dr.to(dv.dtype.element_ty), mask=m_v)
+    tl.store(du + x_v, (-b_dr).to(du.dtype.element_ty), mask=m_v)
+
+
+_SOLVER_MODES = {("gelu", True): 0, ("gelu", False): 1, ("linear", True): 2, ("linear", False): 2}
+
+
+def _solver_blocks(V, K):
+    BV, BK = triton.next_power_of_2(V), triton.next_power_of_2(K)
+    return max(1, min(64, 2048 // BV)), BV, BK
+
+
+def _solver_launch(kernel, n_rows, V, K, NE, NK, gain, mode, *args):
+    BR, BV, BK = _solver_blocks(V, K)
+    kernel[(triton.cdiv(n_rows, BR),)](*args, n_rows, V=V, K=K, NE=NE, NK=NK, BR=BR, BV=BV, BK=BK,
+                                       GAIN=gain, MODE=mode, num_warps=4)
+
+
+def _solver_shapes(v, keys, steps):
+    B, T, H, V = v.shape
+    return B, T, H, V, keys[0].shape[-1] if keys[0].dim() == 4 else keys[0].shape[-1] // H, steps.shape[-1] // H
+
+
+@torch.library.custom_op(f"{_NS}::solver_fwd", mutates_args=())
+def _solver_fwd_op(v: torch.Tensor, u: torch.Tensor, p0: Optional[torch.Tensor], p1: Optional[torch.Tensor],
+                   p2: Optional[torch.Tensor], k0: torch.Tensor, k1: Optional[torch.Tensor],
+                   k2: Optional[torch.Tensor], steps: torch.Tensor, mode: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, T, H, V, K, NE = _solver_shapes(v, [k0], steps)
+    NK = 1 if k1 is None else NE
+    ke = _empty(B, T, H, NE, K, dtype=v.dtype, device=v.device)
+    ve = _empty(B, T, H, NE, V, dtype=v.dtype, device=v.device)
+    gain = p0 is not None
+    p = [x if x is not None else v for x in (p0, p1, p2)]
+    k = [x if x is not None else k0 for x in (k0, k1, k2)]
+    _solver_launch(_solver_fwd, B * T * H, V, K, NE, NK, gain, mode, v, u, *p, *k, steps, ke, ve)
+    return ke, ve
+
+
+@_solver_fwd_op.register_fake
+def _(v, u, p0, p1, p2, k0, k1, k2, steps, mode):
+    B, T, H, V, K, NE = _solver_shapes(v, [k0], steps)
+    return v.new_empty(B, T, H, NE, K), v.new_empty(B, T, H, NE, V)
+
+
+@torch.library.custom_op(f"{_NS}::solver_bwd", mutates_args=())
+def _solver_bwd_op(v: torch.Tensor, u: torch.Tensor, p0: Optional[torch.Tensor], p1: Optional[torch.Tensor],
+                   p2: Optional[torch.Tensor], k0: torch.Tensor, k1: Optional[torch.Tensor],
+                   k2: Optional[torch.Tensor], steps: torch.Tensor, dke: torch.Tensor, dve: torch.Tensor,
+                   mode: int) -> List[torch.Tensor]:
+    """[dv, du, dsteps, dk0, dp0..] with one dk per key given and one dp per gain given"""
+    B, T, H, V, K, NE = _solver_shapes(v, [k0], steps)
+    NK = 1 if k1 is None else NE
+    gain = p0 is not None
+    new = lambda x: _empty(*x.shape, dtype=x.dtype, device=x.device)
+    dv, du, dst = new(v), new(u), _empty(*steps.shape, dtype=torch.float32, device=v.device)
+    dks = [new(x) for x in (k0, k1, k2) if x is not None]
+    dps = [new(x) for x in (p0, p1, p2) if x is not None]
+    p = [x if x is not None else v for x in (p0, p1, p2)]
+    k = [x if x is not None else k0 for x in (k0, k1, k2)]
+    dp = (dps + [dv] * 3)[:3]
+    dk = (dks + [dks[0]] * 3)[:3]
+    _solver_launch(_solver_bwd, B * T * H, V, K, NE, NK, gain, mode, v, u, *p, *k, steps,
+                   dke.contiguous(), dve.contiguous(), dv, du, *dp, *dk, dst)
+    return [dv, du, dst.to(steps.dtype), *dks, *dps]
+
+
+@_solver_bwd_op.register_fake
+def _(v, u, p0, p1, p2, k0, k1, k2, steps, dke, dve, mode):
+    return [torch.empty_like(x) for x in (v, u, steps, k0, k1, k2, p0, p1, p2) if x is not None]
+
+
+def _solver_setup_context(ctx, inputs, output):
+    *tensors, mode = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.mode = mode
+
+
+def _solver_backward(ctx, dke, dve):
+    v, u, p0, p1, p2, k0, k1, k2, steps = ctx.saved_tensors
+    dv, du, dst, *rest = _ops().solver_bwd(v, u, p0, p1, p2, k0, k1, k2, steps, dke, dve, ctx.mode)
+    nk = sum(x is not None for x in (k0, k1, k2))
+    dks, dps = iter(rest[:nk]), iter(rest[nk:])
+    pick = lambda x, it: None if x is None else next(it)
+    return (dv, du, *(pick(x, dps) for x in (p0, p1, p2)), *(pick(x, dks) for x in (k0, k1, k2)), dst, None)
+
+
+_solver_fwd_op.register_autograd(_solver_backward, setup_context=_solver_setup_context)
+
+
+def solver_chain(v, u, gains, keys, steps, mode="gelu", nonlinear=True):
+    """model.solver_chain in one kernel each way (same arguments, same results up to rounding:
+    the chain runs in float32 registers and is rounded once, to v's dtype).
+    v [B,T,H,V]; u and each gain [B,T,H*V]; keys: L-1 of [B,T,H*K] (one per step) or one
+    ([B,T,H*K] or [B,T,H,K]) for every step; steps [B,T,H*(L-1)] logits. Returns
+    ke [B,T,H,L-1,K] (l2-normalised keys) and ve [B,T,H,L-1,V], in v's dtype. L-1 <= 3."""
+    B, T, H, V = v.shape
+    NE = steps.shape[-1] // H
+    if not 1 <= NE <= 3 or steps.shape[-1] != H * NE:
+        raise ValueError(f"solver_chain: steps must be [B,T,H*(L-1)] with 1 <= L-1 <= 3, got {tuple(steps.shape)} for H={H}")
+    if len(keys) not in (1, NE) or len(gains) not in (0, NE):
+        raise ValueError(f"solver_chain: {len(keys)} keys and {len(gains)} gains for L-1={NE} steps "
+                         "(keys: 1 or L-1; gains: 0 or L-1)")
+    if (mode, bool(nonlinear)) not in _SOLVER_MODES:
+        raise ValueError(f"solver_chain: mode must be 'gelu' or 'linear', got {mode!r}")
+    _launchable(v, "solver_chain")
+    dt = v.dtype
+    flat = lambda x, D: x.to(dt).reshape(B, T, H * D).contiguous()
+    K = keys[0].shape[-1] if keys[0].dim() == 4 else keys[0].shape[-1] // H
+    ks = [flat(x, K) for x in keys] + [None] * (3 - len(keys))
+    ps = [flat(x, V) for x in gains] + [None] * (3 - len(gains))
+    return _ops().solver_fwd(v.contiguous(), flat(u, V), *ps, *ks, steps.to(dt).contiguous(),
+                             _SOLVER_MODES[mode, bool(nonlinear)])
 
 
 # ----------------------------------------------------------------------------------------------

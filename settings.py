@@ -55,6 +55,7 @@ TRAIN_DEFAULTS = dict(
     chunk_size=64,                   # the chunk backend's chunk length (the Triton kernels use 64)
     activation_checkpointing=False,  # recompute each block in the backward: less memory, ~1/3 more compute
     recompute_solver=True,           # PRISM: rerun the solver write in the backward instead of saving it (less memory; BENCHMARKS.md)
+    fused_chain=True,                # PRISM, Triton backend: the solver chain as one kernel each way; False = model.solver_chain's ops (a changed rule)
     cpu_threads=0,                   # torch intra-op threads on CPU; 0 = torch's default
     # optional loggers, off by default (the JSONL log in out_dir is always written)
     wandb_log=False,                 # log to Weights & Biases (a warning if wandb is missing or offline)

@@ -296,6 +296,7 @@ def build_model(cfg, env, model_args):
     raw_model = raw_model.to(env.device)
     raw_model.activation_checkpointing = cfg["activation_checkpointing"]
     raw_model.recompute_solver = cfg["recompute_solver"]
+    raw_model.fused_chain = cfg["fused_chain"]
     if env.fsdp:
         shard_model(raw_model, env)
     optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],

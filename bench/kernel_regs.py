@@ -196,6 +196,17 @@ def representative_calls():
         yield "causal_conv", lambda: conv(False)
         yield "causal_conv packed", lambda: conv(True)
 
+        def solver(NE, nk, gain, mode, nonlinear, dt=torch.bfloat16):
+            B, T, H, K, V = 2, 6, 2, 64, 128
+            ke, ve = pk.solver_chain(r(B, T, H, V, dt=dt), r(B, T, H * V, dt=dt),
+                                     [r(B, T, H * V, dt=dt) for _ in range(NE if gain else 0)],
+                                     [r(B, T, H * K, dt=dt) for _ in range(nk)], r(B, T, H * NE, dt=dt),
+                                     mode, nonlinear)
+            (ke.float().sum() + ve.float().sum()).backward()
+        yield "solver chain L3 own keys", lambda: solver(2, 2, True, "gelu", True)
+        yield "solver chain L4 shared key, no gain, closed form", lambda: solver(3, 1, False, "linear", True)
+        yield "solver chain L2 no GELU fp32", lambda: solver(1, 1, True, "gelu", False, torch.float32)
+
         def decode():
             B, H, K, V = 2, 2, 64, 64
             x = torch.randn(B, 20, 96).bfloat16()    # a prefill (time blocks wider than the taps)

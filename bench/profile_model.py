@@ -88,7 +88,7 @@ def kernels_of(prof):
     return out
 
 
-def report(kernels, steps):
+def report(kernels, steps, top=25):
     per_cat, per_kernel = defaultdict(float), defaultdict(lambda: [0.0, 0, ""])
     for name, chain, us in kernels:
         cat = category(name, chain)
@@ -102,12 +102,12 @@ def report(kernels, steps):
         ms = per_cat.get(cat, 0.0) / steps / 1e3
         lines.append(f"| {cat} | {ms:.2f} | {100 * ms / max(busy, 1e-9):.1f}% |")
     lines += ["", "| top kernels | category | ms / step | calls / step |", "|---|---|---|---|"]
-    for name, (us, n, cat) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]:
-        lines.append(f"| {name[:90]} | {cat} | {us / steps / 1e3:.2f} | {n / steps:g} |")
+    for name, (us, n, cat) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {name[:130]} | {cat} | {us / steps / 1e3:.2f} | {n / steps:g} |")
     return busy, "\n".join(lines)
 
 
-def profile(model, B, T, vocab, flops_per_token, ours=True, compile=False, steps=3, warmup=3,
+def profile(model, B, T, vocab, flops_per_token, ours=True, compile=False, steps=3, warmup=3, top=25,
             trace=None):
     model = model.cuda().train()
     opt = (model.configure_optimizers(0.1, 1e-4, (0.9, 0.95)) if ours else
@@ -142,7 +142,7 @@ def profile(model, B, T, vocab, flops_per_token, ours=True, compile=False, steps
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
-    busy, text = report(kernels_of(prof), steps)
+    busy, text = report(kernels_of(prof), steps, top)
     head = (f"step {step_ms:.1f} ms, {B * T / step_ms:.1f} ktok/s, MFU "
             f"{100 * flops_per_token * B * T / (step_ms / 1e3) / PEAK_FLOPS:.1f}%, peak "
             f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; GPU idle "
@@ -163,6 +163,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="profiled steps per model")
     p.add_argument("--out", default=None, help="also write the report here")
     p.add_argument("--trace", default=None, help="directory for Chrome traces, one per model")
+    p.add_argument("--top", type=int, default=25, help="kernels listed, the most time first")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_model.py needs a CUDA GPU")
@@ -182,7 +183,7 @@ def main(argv=None):
             m = fla_peer(cfg)
             fpt = training_flops_per_token(cfg, a.T, peer_params(m))
             text = profile(m, a.B, a.T, cfg.vocab_size, fpt, ours=False, compile=a.compile,
-                           steps=a.steps, trace=trace)
+                           steps=a.steps, trace=trace, top=a.top)
             name = FLA
         else:
             m = Model(cfg)
@@ -190,7 +191,7 @@ def main(argv=None):
             for key, value in attrs.items():
                 setattr(m, key, value)
             text = profile(m, a.B, a.T, cfg.vocab_size, m.flops_per_token(a.T), compile=a.compile,
-                           steps=a.steps, trace=trace)
+                           steps=a.steps, trace=trace, top=a.top)
         report_.append(f"=== {name}, B={a.B} T={a.T}, bf16 autocast, compile={a.compile}\n{text}")
         print(report_[-1] + "\n", flush=True)
         del m

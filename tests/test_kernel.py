@@ -707,6 +707,82 @@ def test_gpu_l2norm_inside_the_op(poisoned, dtype, tol):
 
 
 # ----------------------------------------------------------------------------------------------
+# PRISM's solver chain: prism_kernel.solver_chain against model.solver_chain in float64, every
+# mode (GELU, GELU off, closed form), with and without gains, own or one shared key, L-1 = 1..3
+
+SOLVER_CASES = [(mode, nl, NE, nk, gain) for mode, nl in (("gelu", True), ("gelu", False), ("linear", True))
+                for NE in (1, 2, 3) for nk in sorted({1, NE}) for gain in (True, False)]
+
+
+def check_solver_chain(B, T, H, K, V, mode, nonlinear, NE, nk, gain, dtype, tol, device=DEV, seed=0):
+    from model import solver_chain
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(device)
+    xs = [r(B, T, H, V), r(B, T, H * V)] + [r(B, T, H * V) for _ in range(NE if gain else 0)]
+    xs += [r(B, T, H * K) for _ in range(nk)] + [r(B, T, H * NE)]
+
+    def split(xs):
+        n = NE if gain else 0
+        return xs[0], xs[1], list(xs[2:2 + n]), list(xs[2 + n:2 + n + nk]), xs[-1]
+
+    ref_in = [x.double().requires_grad_() for x in xs]
+    run_in = [x.to(dtype).requires_grad_() for x in xs]
+    ref = solver_chain(*split(ref_in), mode, nonlinear)
+    out = prism_kernel.solver_chain(*split(run_in), mode, nonlinear)
+    assert [o.dtype for o in out] == [dtype, dtype]
+    assert [o.shape for o in out] == [o.shape for o in ref] == [(B, T, H, NE, K), (B, T, H, NE, V)]
+    w = [r(*o.shape) for o in ref]
+    gr = torch.autograd.grad(sum((o * c.double()).sum() for o, c in zip(ref, w)), ref_in)
+    go = torch.autograd.grad(sum((o.float() * c).sum() for o, c in zip(out, w)), run_in)
+    names = ["ke", "ve", "dv", "du"] + [f"dp{i}" for i in range(NE if gain else 0)] + \
+        [f"dkey{i}" for i in range(nk)] + ["dsteps"]
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, list(out) + list(go), list(ref) + list(gr))}
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"solver_chain {mode} nonlinear={nonlinear} L-1={NE} keys={nk} gain={gain} {dtype}, seed {seed}: {bad}"
+
+
+@pytest.mark.parametrize("mode,nonlinear,NE,nk,gain", SOLVER_CASES)
+def test_solver_chain_matches_float64(mode, nonlinear, NE, nk, gain):
+    check_solver_chain(2, 5, 2, 8, 16, mode, nonlinear, NE, nk, gain, torch.float32, 1e-5)
+
+
+def test_solver_chain_rounds_once_in_half_precision():
+    # bf16 in, bf16 out: one rounding of each output, not one per step as in the PyTorch ops
+    check_solver_chain(2, 7, 2, 16, 32, "gelu", True, 3, 3, True, torch.bfloat16, 1e-2)
+
+
+def test_solver_chain_rejects_bad_shapes():
+    v, u, s = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 16), torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match="1 <= L-1 <= 3"):
+        prism_kernel.solver_chain(v, u, [], [torch.randn(1, 2, 8)], s)   # L-1 = 4
+    with pytest.raises(ValueError, match="keys"):
+        prism_kernel.solver_chain(v, u, [], [torch.randn(1, 2, 8)] * 2, torch.randn(1, 2, 6))
+    with pytest.raises(ValueError, match="mode"):
+        prism_kernel.solver_chain(v, u, [], [torch.randn(1, 2, 8)], torch.randn(1, 2, 2), mode="relu")
+
+
+def test_solver_chain_opcheck():
+    r = lambda *s: torch.randn(*s, requires_grad=True)
+    B, T, H, K, V = 2, 5, 2, 8, 16
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    for args in ((r(B, T, H, V), r(B, T, H * V), r(B, T, H * V), r(B, T, H * V), None, r(B, T, H * K),
+                  r(B, T, H * K), None, r(B, T, H * 2), 0),                               # L=3, own keys
+                 (r(B, T, H, V), r(B, T, H * V), None, None, None, r(B, T, H * K), None, None,
+                  r(B, T, H * 3), 2)):                                                   # L=4, shared, closed form
+        torch.library.opcheck(prism_kernel._ops().solver_fwd, args, test_utils=utils)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_gpu_solver_chain(poisoned, dtype, tol):
+    seed = torch.seed() % 2**31
+    for mode, nonlinear, NE, nk, gain in SOLVER_CASES:   # the 130M layer's shape, and a small one
+        check_solver_chain(2, 300, 6, 128, 256, mode, nonlinear, NE, nk, gain, dtype, tol, "cuda", seed)
+    check_solver_chain(3, 77, 2, 64, 64, "gelu", True, 2, 2, True, dtype, tol, "cuda", seed)
+
+
+# ----------------------------------------------------------------------------------------------
 # torch.compile: the fixed-length recurrence and conv are custom ops, so a compiled layer is one
 # graph (fullgraph=True raises at any graph break) and computes what eager does.
 

@@ -230,6 +230,36 @@ def test_legacy_model_args_load_and_unknown_keys_fail():
         Model(ModelConfig(**TINY), backend="cuda")
 
 
+@pytest.mark.parametrize("variant", [dict(), dict(solver_keys="shared", solver_gain=False),
+                                     dict(solver_keys="base", solver_mode="linear"),
+                                     dict(solver_nonlinear=False, solver_steps=4)])
+def test_fused_solver_chain_equals_the_pytorch_chain(variant, monkeypatch):
+    """The Triton backend's solver chain (prism_kernel.solver_chain, Model.fused_chain) gives the
+    loss and every gradient of model.solver_chain's PyTorch ops, for each solver switch."""
+    from model import kernels
+    pk, calls = kernels(), []
+    fused_chain = pk.solver_chain
+    monkeypatch.setattr(pk, "solver_chain", lambda *a, **k: calls.append(1) or fused_chain(*a, **k))
+    torch.manual_seed(0)
+    model = Model(ModelConfig(**{**TINY, "mixer": "prism", "solver_steps": 3, **variant}), backend="triton")
+    idx = torch.randint(0, TINY["vocab_size"], (2, 16))
+    runs = []
+    for fused in (True, False):
+        model.fused_chain = fused
+        assert model.fused_chain is fused
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        loss = model(idx, idx)[1]
+        loss.backward()
+        # each layer: once forward, once more where the backward reruns the solver write
+        assert len(calls) == (2 * TINY["n_layer"] if fused else 0)
+        runs.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l1, g1), (l0, g0) = runs
+    assert abs(l1 - l0) <= 1e-6 * abs(l0)
+    bad = {n: ((g1[n] - g0[n]).norm() / g0[n].norm().clamp_min(1e-30)).item() for n in g0}
+    assert all(e <= 1e-5 for e in bad.values()), {n: e for n, e in bad.items() if e > 1e-5}
+
+
 def test_recompute_solver_same_gradients_less_saved():
     """recompute_solver (the default) reruns the solver rows in the backward: the same loss and
     gradients as saving them, with fewer bytes held for the backward."""
