@@ -613,7 +613,7 @@ class PRISM(GatedDeltaNet):
         gains = [self.gain_up[i](z[1 + self.n_keys + i]) for i in range(self.n_gains)]
         steps = self.step_proj(a)                                 # logits of b^(l), [B,T,H*(L-1)]
         chain = solver_chain
-        if fused and self.fused_chain and self.L <= 4 and v.dtype != torch.float64:
+        if fused and self.fused_chain and self.L <= 4:
             chain = kernels().solver_chain   # the same chain in one Triton kernel each way
         return chain(v, u, gains, keys, steps, cfg.solver_mode, cfg.solver_nonlinear)
 

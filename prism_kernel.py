@@ -1657,10 +1657,10 @@ def _solver_delta(p, r, GAIN: tl.constexpr, MODE: tl.constexpr):
             x = p * r
         else:
             x = r
-        if MODE == 0:
-            cdf = 0.5 * (1. + tl.erf(x * 0.7071067811865476))
-            gx = cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
-            d = x * cdf
+        if MODE == 0:   # exact GELU: x Phi(x), and Phi(x) + x phi(x)
+            erf = tl.erf(x * 0.7071067811865476)
+            d = 0.5 * x * (1. + erf)
+            gx = 0.5 * (1. + erf) + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
         else:
             gx = x * 0. + 1.
             d = x
@@ -1704,7 +1704,7 @@ def _solver_fwd(v, u, p0, p1, p2, k0, k1, k2, st, ke, ve, N, V: tl.constexpr, K:
            - tl.load(u + x_v, mask=m_v, other=0.).to(tl.float32))
     b_e = tl.zeros([BR, BK], dtype=tl.float32)
     if NK == 1:
-        b_e = _l2norm_tile(tl.load(k0 + x_k, mask=m_k, other=0.).to(tl.float32))
+        b_e = _l2norm(tl.load(k0 + x_k, mask=m_k, other=0.).to(tl.float32))
     for l in tl.static_range(NE):
         b_p = _solver_gain(l, p0, p1, p2, x_v, m_v, GAIN)
         b_d, _, _ = _solver_delta(b_p, b_r, GAIN, MODE)
@@ -1713,18 +1713,19 @@ def _solver_fwd(v, u, p0, p1, p2, k0, k1, k2, st, ke, ve, N, V: tl.constexpr, K:
         tl.store(ve + (rows * NE + l)[:, None] * V + o_v[None, :], (b_d * b_b[:, None]).to(ve.dtype.element_ty),
                  mask=m_v)
         if NK > 1:
-            b_e = _l2norm_tile(tl.load(_pick3(l, k0, k1, k2) + x_k, mask=m_k, other=0.).to(tl.float32))
+            b_e = _l2norm(tl.load(_pick3(l, k0, k1, k2) + x_k, mask=m_k, other=0.).to(tl.float32))
         tl.store(ke + (rows * NE + l)[:, None] * K + o_k[None, :], b_e.to(ke.dtype.element_ty), mask=m_k)
 
 
 @triton.jit
-def _l2norm_tile(x):
-    # F.normalize(x, dim=-1): x / max(|x|, 1e-12), per row
-    return x / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)[:, None]
+def _l2norm(x):
+    # F.normalize(x, dim=-1): x / max(|x|, 1e-12) over the last axis (a vector, or a tile's rows)
+    return x / tl.maximum(tl.sqrt(tl.sum(x * x, axis=len(x.shape) - 1, keep_dims=True)), 1e-12)
 
 
 @triton.jit
-def _l2norm_tile_grad(x, dy):
+def _l2norm_grad(x, dy):
+    # the gradient of _l2norm over a tile's rows, from the raw rows x
     n = tl.sqrt(tl.sum(x * x, axis=1))
     nc = tl.maximum(n, 1e-12)[:, None]
     y = x / nc
@@ -1762,11 +1763,11 @@ def _solver_bwd(v, u, p0, p1, p2, k0, k1, k2, st, dke, dve, dv, du, dp0, dp1, dp
             b_dks += b_dke
         else:
             b_x = tl.load(_pick3(NE - 1 - j, k0, k1, k2) + x_k, mask=m_k, other=0.).to(tl.float32)
-            tl.store(_pick3(NE - 1 - j, dk0, dk1, dk2) + x_k, _l2norm_tile_grad(b_x, b_dke).to(dk0.dtype.element_ty),
+            tl.store(_pick3(NE - 1 - j, dk0, dk1, dk2) + x_k, _l2norm_grad(b_x, b_dke).to(dk0.dtype.element_ty),
                      mask=m_k)
     if NK == 1:
         b_x = tl.load(k0 + x_k, mask=m_k, other=0.).to(tl.float32)
-        tl.store(dk0 + x_k, _l2norm_tile_grad(b_x, b_dks).to(dk0.dtype.element_ty), mask=m_k)
+        tl.store(dk0 + x_k, _l2norm_grad(b_x, b_dks).to(dk0.dtype.element_ty), mask=m_k)
     tl.store(dv + x_v, b_dr.to(dv.dtype.element_ty), mask=m_v)
     tl.store(du + x_v, (-b_dr).to(du.dtype.element_ty), mask=m_v)
 
@@ -1785,16 +1786,17 @@ def _solver_launch(kernel, n_rows, V, K, NE, NK, gain, mode, *args):
                                        GAIN=gain, MODE=mode, num_warps=4)
 
 
-def _solver_shapes(v, keys, steps):
+def _solver_shapes(v, key, steps):
+    """B, T, H, V, K, L-1 of a chain's inputs (a key [B,T,H*K] or [B,T,H,K])"""
     B, T, H, V = v.shape
-    return B, T, H, V, keys[0].shape[-1] if keys[0].dim() == 4 else keys[0].shape[-1] // H, steps.shape[-1] // H
+    return B, T, H, V, key.shape[-1] if key.dim() == 4 else key.shape[-1] // H, steps.shape[-1] // H
 
 
 @torch.library.custom_op(f"{_NS}::solver_fwd", mutates_args=())
 def _solver_fwd_op(v: torch.Tensor, u: torch.Tensor, p0: Optional[torch.Tensor], p1: Optional[torch.Tensor],
                    p2: Optional[torch.Tensor], k0: torch.Tensor, k1: Optional[torch.Tensor],
                    k2: Optional[torch.Tensor], steps: torch.Tensor, mode: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    B, T, H, V, K, NE = _solver_shapes(v, [k0], steps)
+    B, T, H, V, K, NE = _solver_shapes(v, k0, steps)
     NK = 1 if k1 is None else NE
     ke = _empty(B, T, H, NE, K, dtype=v.dtype, device=v.device)
     ve = _empty(B, T, H, NE, V, dtype=v.dtype, device=v.device)
@@ -1807,7 +1809,7 @@ def _solver_fwd_op(v: torch.Tensor, u: torch.Tensor, p0: Optional[torch.Tensor],
 
 @_solver_fwd_op.register_fake
 def _(v, u, p0, p1, p2, k0, k1, k2, steps, mode):
-    B, T, H, V, K, NE = _solver_shapes(v, [k0], steps)
+    B, T, H, V, K, NE = _solver_shapes(v, k0, steps)
     return v.new_empty(B, T, H, NE, K), v.new_empty(B, T, H, NE, V)
 
 
@@ -1817,7 +1819,7 @@ def _solver_bwd_op(v: torch.Tensor, u: torch.Tensor, p0: Optional[torch.Tensor],
                    k2: Optional[torch.Tensor], steps: torch.Tensor, dke: torch.Tensor, dve: torch.Tensor,
                    mode: int) -> List[torch.Tensor]:
     """[dv, du, dsteps, dk0, dp0..] with one dk per key given and one dp per gain given"""
-    B, T, H, V, K, NE = _solver_shapes(v, [k0], steps)
+    B, T, H, V, K, NE = _solver_shapes(v, k0, steps)
     NK = 1 if k1 is None else NE
     gain = p0 is not None
     new = lambda x: _empty(*x.shape, dtype=x.dtype, device=x.device)
@@ -1862,8 +1864,7 @@ def solver_chain(v, u, gains, keys, steps, mode="gelu", nonlinear=True):
     v [B,T,H,V]; u and each gain [B,T,H*V]; keys: L-1 of [B,T,H*K] (one per step) or one
     ([B,T,H*K] or [B,T,H,K]) for every step; steps [B,T,H*(L-1)] logits. Returns
     ke [B,T,H,L-1,K] (l2-normalised keys) and ve [B,T,H,L-1,V], in v's dtype. L-1 <= 3."""
-    B, T, H, V = v.shape
-    NE = steps.shape[-1] // H
+    B, T, H, V, K, NE = _solver_shapes(v, keys[0], steps)
     if not 1 <= NE <= 3 or steps.shape[-1] != H * NE:
         raise ValueError(f"solver_chain: steps must be [B,T,H*(L-1)] with 1 <= L-1 <= 3, got {tuple(steps.shape)} for H={H}")
     if len(keys) not in (1, NE) or len(gains) not in (0, NE):
@@ -1873,8 +1874,10 @@ def solver_chain(v, u, gains, keys, steps, mode="gelu", nonlinear=True):
         raise ValueError(f"solver_chain: mode must be 'gelu' or 'linear', got {mode!r}")
     _launchable(v, "solver_chain")
     dt = v.dtype
+    if dt not in _DOT_DTYPES:
+        raise ValueError(f"solver_chain: v must be float32, bfloat16 or float16, got {dt} "
+                         "(use model.solver_chain for float64)")
     flat = lambda x, D: x.to(dt).reshape(B, T, H * D).contiguous()
-    K = keys[0].shape[-1] if keys[0].dim() == 4 else keys[0].shape[-1] // H
     ks = [flat(x, K) for x in keys] + [None] * (3 - len(keys))
     ps = [flat(x, V) for x in gains] + [None] * (3 - len(gains))
     return _ops().solver_fwd(v.contiguous(), flat(u, V), *ps, *ks, steps.to(dt).contiguous(),
@@ -2005,9 +2008,6 @@ def conv_step(x, buf, weight, reset=None, silu=True):
     return y
 
 
-@triton.jit
-def _l2norm(x):
-    return x / tl.maximum(tl.sqrt(tl.sum(x * x, axis=0)), 1e-12)  # F.normalize's eps
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -2069,16 +2069,9 @@ def _recurrent_fwd(q, k, v, g, beta, ke, ve, st, o, reset, A_log, dt_bias, u, st
                     b_e = _l2norm(tl.load(p_e, mask=m_k, other=0.).to(tl.float32))
                 if GAIN:
                     b_p = tl.load(ve + row * s_ve + i_h * h_ve + l * l_ve + o_v, mask=m_v, other=0.).to(tl.float32)
-                    b_x = b_p * b_r
                 else:
                     b_p = tl.full([BV], 1., tl.float32)
-                    b_x = b_r
-                if MODE == 0:
-                    b_d = 0.5 * b_x * (1. + tl.erf(b_x * 0.7071067811865476))
-                elif MODE == 1:
-                    b_d = b_x
-                else:
-                    b_d = tl.sigmoid(b_p) * b_r
+                b_d, _, _ = _solver_delta(b_p, b_r, GAIN, MODE)
                 b_r = b_r - b_d
                 b_w = b_d * tl.sigmoid(tl.load(steps + row * s_st + i_h * NE + l).to(tl.float32))
             else:
@@ -2148,7 +2141,7 @@ def recurrent_prism_step(q, k, v, g, beta, ke=None, ve=None, scale=None, state=N
         keys, gains = solver.get("keys"), solver.get("gains")
         NE = solver["steps"].shape[-1]
         keys_mode = SOLVER_KEYS[solver["keys_mode"]]
-        mode = 2 if solver["mode"] == "linear" else (0 if solver["nonlinear"] else 1)
+        mode = _SOLVER_MODES[solver["mode"], bool(solver["nonlinear"])]
         u, s_u = _rows(solver["u"])
         steps, s_st = _rows(solver["steps"])
         if keys_mode != 2:

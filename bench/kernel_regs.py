@@ -13,6 +13,7 @@ V only sets the number of value blocks.
     python bench/kernel_regs.py --kernels bwd_local,bwd_rows --ptxas --n_seq 6
     PRISM_KERNEL_CONFIG=local_bk=64 python bench/kernel_regs.py --K 128 --ptxas   # a variant
     python bench/kernel_regs.py --every-launch    # compile every kernel the module launches (CI)
+    python bench/kernel_regs.py --every-launch --ptxas   # ... with registers and spills (the solver chain's too)
 
 --every-launch runs the host functions at small shapes with each kernel launch recorded instead
 of run, then compiles every distinct launch for sm_90 (front-end and ptxas errors that the CPU
@@ -197,7 +198,7 @@ def representative_calls():
         yield "causal_conv packed", lambda: conv(True)
 
         def solver(NE, nk, gain, mode, nonlinear, dt=torch.bfloat16):
-            B, T, H, K, V = 2, 6, 2, 64, 128
+            B, T, H, K, V = 1, 4, 2, 128, 256   # the 130M layer's head dims
             ke, ve = pk.solver_chain(r(B, T, H, V, dt=dt), r(B, T, H * V, dt=dt),
                                      [r(B, T, H * V, dt=dt) for _ in range(NE if gain else 0)],
                                      [r(B, T, H * K, dt=dt) for _ in range(nk)], r(B, T, H * NE, dt=dt),
@@ -219,6 +220,13 @@ def representative_calls():
             pk.recurrent_prism_step(q, k, v, g, beta, torch.randn(B, 1, H, 2, K).bfloat16(),
                                     torch.randn(B, 1, H, 2, V).bfloat16(), reset=torch.zeros(B, 1, dtype=torch.bool))
             pk.recurrent_prism_step(q, k, v, g, beta, gates=(torch.randn(H), torch.randn(H)), l2norm_qk=True)
+            for keys_mode, mode in (("own", "gelu"), ("shared", "linear")):   # PRISM's step, solver inside
+                pk.recurrent_prism_step(q, k, v, g, beta, gates=(torch.randn(H), torch.randn(H)), l2norm_qk=True,
+                                        solver=dict(u=torch.randn(B, 1, H, V).bfloat16(),
+                                                    keys=torch.randn(B, 1, 2 if keys_mode == "own" else 1, H, K).bfloat16(),
+                                                    gains=torch.randn(B, 1, 2, H, V).bfloat16(),
+                                                    steps=torch.randn(B, 1, H, 2).bfloat16(), keys_mode=keys_mode,
+                                                    mode=mode, nonlinear=True))
             pk.gated_rms_norm(torch.randn(B, 1, H, V).bfloat16(), torch.randn(B, 1, H * V).bfloat16(),
                               torch.ones(V), 1e-6)
             pk.add_rms_norm(torch.randn(B, 1, 128).bfloat16(), torch.randn(B, 1, 128).bfloat16(), torch.ones(128), 1e-6)
@@ -235,8 +243,9 @@ def representative_calls():
         os.environ.pop("TRITON_INTERPRET", None)
 
 
-def every_launch():
-    """Record the representative calls' launches and compile each distinct one for sm_90."""
+def every_launch(ptxas=False):
+    """Record the representative calls' launches and compile each distinct one for sm_90
+    (with ptxas: also registers and spill bytes per thread)."""
     seen, failed = set(), 0
     for what, run in representative_calls():
         for fn, args, kw in record_launches(run):
@@ -248,7 +257,8 @@ def every_launch():
             seen.add(key)
             try:
                 c = compile_launch(fn, args, kw)
-                print(f"ok      {fn.fn.__name__:<16} ({what}) shared {c.metadata.shared} B", flush=True)
+                extra = " regs {} spill {} B".format(*ptxas_report(c)) if ptxas else ""
+                print(f"ok      {fn.fn.__name__:<16} ({what}) shared {c.metadata.shared} B{extra}", flush=True)
             except Exception as e:  # noqa: BLE001
                 failed += 1
                 print(f"FAILED  {fn.fn.__name__:<16} ({what}) {type(e).__name__}: {str(e)[:400]}", flush=True)
@@ -269,7 +279,7 @@ def main():
     ap.add_argument("--every-launch", action="store_true", help="compile every launch of small representative calls")
     args = ap.parse_args()
     if args.every_launch:
-        return every_launch()
+        return every_launch(args.ptxas)
     worst = 0
     for dt in args.dtype.split(","):
         for K in (int(x) for x in args.K.split(",")):

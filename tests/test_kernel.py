@@ -746,8 +746,8 @@ def test_solver_chain_matches_float64(mode, nonlinear, NE, nk, gain):
     check_solver_chain(2, 5, 2, 8, 16, mode, nonlinear, NE, nk, gain, torch.float32, 1e-5)
 
 
-def test_solver_chain_rounds_once_in_half_precision():
-    # bf16 in, bf16 out: one rounding of each output, not one per step as in the PyTorch ops
+def test_solver_chain_in_half_precision():
+    # bf16 in and out (float32 inside): every output and gradient within bf16 rounding of float64
     check_solver_chain(2, 7, 2, 16, 32, "gelu", True, 3, 3, True, torch.bfloat16, 1e-2)
 
 
@@ -759,6 +759,9 @@ def test_solver_chain_rejects_bad_shapes():
         prism_kernel.solver_chain(v, u, [], [torch.randn(1, 2, 8)] * 2, torch.randn(1, 2, 6))
     with pytest.raises(ValueError, match="mode"):
         prism_kernel.solver_chain(v, u, [], [torch.randn(1, 2, 8)], torch.randn(1, 2, 2), mode="relu")
+    with pytest.raises(ValueError, match="float64"):
+        prism_kernel.solver_chain(v.double(), u.double(), [], [torch.randn(1, 2, 8).double()],
+                                  torch.randn(1, 2, 2).double())
 
 
 def test_solver_chain_opcheck():
