@@ -109,3 +109,35 @@ def test_kernel_categories():
                     ["aten::copy_"]) == "copies/casts"
     assert category("flash_fwd_kernel", []) == "attention"
     assert category("triton_poi_fused_mul_silu_4", []) == "other"
+
+
+def test_gpu_test_runner_counts_only_passes(tmp_path):
+    """bench/run_gpu_tests.py (one process per test): a skip, a failure, a test past its time
+    and a file that does not import are each reported as such, and only all-passed exits 0."""
+    (tmp_path / "test_mixed.py").write_text(
+        "import time, pytest\n"
+        "pytestmark = pytest.mark.gpu\n"
+        "def test_pass(): assert True\n"
+        "def test_fail(): assert False\n"
+        "def test_skip(): pytest.skip('a missing package')\n"
+        "def test_hangs(): time.sleep(600)\n")
+    (tmp_path / "test_broken.py").write_text("import a_module_that_is_not_there\n")
+    log = tmp_path / "log.txt"
+    r = subprocess.run([sys.executable, "bench/run_gpu_tests.py", str(tmp_path), "-j", "4",
+                        "--timeout", "20", "--log", str(log)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("1 of 4 passed") and "1 collection errors" in lines[0], lines[0]
+    outcomes = {line.split()[2].rpartition("::")[2]: line.split()[0] for line in lines
+                if "::" in line and not line.startswith(" ")}
+    assert outcomes == {"test_pass": "passed", "test_fail": "failed", "test_skip": "skipped",
+                        "test_hangs": "timeout"}, outcomes
+    assert any("test_broken.py" in line for line in lines if line.startswith("collection error"))
+
+    (tmp_path / "test_broken.py").unlink()
+    (tmp_path / "test_mixed.py").write_text("import pytest\n@pytest.mark.gpu\ndef test_pass(): pass\n"
+                                            "def test_not_marked(): assert False\n")
+    r = subprocess.run([sys.executable, "bench/run_gpu_tests.py", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "1 of 1 passed" in r.stdout, r.stdout + r.stderr
