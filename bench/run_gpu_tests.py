@@ -27,9 +27,16 @@ OUTCOMES = ("failed", "error", "passed", "skipped", "xfailed", "xpassed")
 
 def runnable(test_id, paths):
     """The id as a path this script's pytest calls (run from the repo root) can find: pytest
-    prints ids relative to its rootdir, which for tests outside the repo is their own folder."""
+    prints ids relative to its rootdir, which for tests outside the repo is an ancestor of
+    theirs (their own folder, or one shared with the repo, e.g. /tmp for /tmp/x and /tmp/repo)."""
     file, sep, rest = test_id.partition("::")
-    for base in [ROOT] + [p if os.path.isdir(p) else os.path.dirname(p) for p in paths]:
+    bases = [ROOT]
+    for p in paths:
+        d = os.path.abspath(p if os.path.isdir(p) else os.path.dirname(p))
+        while d not in bases:
+            bases.append(d)
+            d = os.path.dirname(d)
+    for base in bases:
         path = os.path.join(base, file)
         if os.path.exists(path):
             return (os.path.relpath(path, ROOT) if base == ROOT else os.path.abspath(path)) + sep + rest
