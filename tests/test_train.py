@@ -3,6 +3,7 @@ The tiny model is a 2-layer hybrid (PRISM layer 0, attention layer 1): both path
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -349,7 +350,9 @@ def test_repeated_signal_within_a_second_is_one_request(data, tmp_path):
     proc.send_signal(signal.SIGTERM)
     text, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, text
-    assert "received SIGINT at iter 1: saved" in text
+    # the two arrive together: either may be handled first, and the other must not stop at once
+    assert re.search(r"received SIG(INT|TERM) at iter 1: saved", text), text
+    assert "stopped at once" not in text, text
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 1
 
 
