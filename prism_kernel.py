@@ -29,7 +29,8 @@ Every decay is exp of a difference of in-chunk cumulative log-decays with the la
 first, so it lies in [0, 1]: no overflow for any T and any decay (masked entries are zeroed
 before exp). The injected rows write without erasing, so the triangular solve stays C x C.
 
-Kernels (grid in brackets; NC chunks over all sequences, NV value blocks, N sequences, H heads):
+Kernels (grid in brackets; NC chunks over all sequences, NV value blocks, N sequences, H heads;
+NV and the next size launch as one grid axis, NV fastest: _pid_split):
   forward:  _fwd_prep [NC, H] -> G, Tm, W, U', R    _fwd_state [NV, N*H] -> h (chunk states), U
             _fwd_out [NV, NC, H] -> O
             The forward keeps G, Tm and U for the backward, not W or h (the largest activation).
@@ -128,6 +129,16 @@ def _tile_t(x, off, stride, n_rows, n_cols, BC: tl.constexpr, BR: tl.constexpr):
     o_r = tl.arange(0, BR)
     o_c = tl.arange(0, BC)
     return x + off + o_c[:, None] + o_r[None, :] * stride, (o_c < n_cols)[:, None] & (o_r < n_rows)[None, :]
+
+
+@triton.jit
+def _pid_split(n_inner):
+    # a launch of (inner blocks x chunks or sequences) programs has both on grid axis 0, inner
+    # fastest: the same program order as an (inner, outer) grid, but CUDA takes 2^31 - 1 programs
+    # on axis 0 and only 65535 on axes 1 and 2, which the chunks of one call pass at 4.2M tokens
+    # (2.1M in chunks of 32) and a packed call's sequences x heads at 65536 / H sequences
+    pid = tl.program_id(0)
+    return pid % n_inner, pid // n_inner
 
 
 @triton.jit
@@ -276,7 +287,8 @@ def _fwd_rows(ke, ve, gc, hr, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: 
               F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # R = sum_l Ke_l^T diag(exp(G_C - G)) Ve_l per chunk again, as _fwd_prep forms it, for the
     # backward's state pass: in parallel over chunks, so that pass stays as light as the forward's
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_c = _pid_split((V + BV - 1) // BV)
+    i_h = tl.program_id(1)
     t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     b_gc = tl.load(gc + ch * BT + o_t)
@@ -321,7 +333,7 @@ def _fwd_state(k, w, u, gc, hr, h, h0, ht, cu_seqlens, chunk_offsets, T, H: tl.c
     # The decay scales the narrow [BT, BV] operand, and K comes transposed from memory.
     # RECOMPUTE (the backward): u already holds U, so only the chunk states h are rebuilt (not
     # saved by the forward: they are the largest activation); R comes from _fwd_rows.
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = _pid_split((V + BV - 1) // BV)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, boc = _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
@@ -364,7 +376,8 @@ def _fwd_out(q, k, ke, ve, u, gc, h, o, scale, cu_seqlens, chunk_indices, T, H: 
              K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_c = _pid_split((V + BV - 1) // BV)
+    i_h = tl.program_id(1)
     t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     b_gc = tl.load(gc + ch * BT + o_t)
@@ -400,7 +413,8 @@ def _bwd_dv_local(q, k, gc, do, du, scale, cu_seqlens, chunk_indices, T, H: tl.c
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
     # the output's direct pull on U: dU_local = scale (Gam * tril(Q K^T))^T dO
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_c = _pid_split((V + BV - 1) // BV)
+    i_h = tl.program_id(1)
     t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     b_gc = tl.load(gc + ch * BT + o_t)
@@ -426,7 +440,7 @@ def _bwd_state(q, k, w, gc, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offse
     # reverse over chunks. dS = grad of the state leaving chunk n. Per chunk:
     #   dU  = dU_local + diag(exp(G_C - G)) K dS                      (stored over dU_local)
     #   dS0 = exp(G_C) dS + scale (diag(exp G) Q)^T dO - W^T dU          (W^T dU = K^T diag(b e^G) Tm^T dU)
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = _pid_split((V + BV - 1) // BV)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos, boc = _seq_coords(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
@@ -680,8 +694,9 @@ def _bwd_local_dqk(q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk, dqp, dkp,
                    K: tl.constexpr, V: tl.constexpr, NE: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    F32: tl.constexpr, DT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    # second half: dq, dk for key block i_k (grid [NK, NC, H]), [C, BK] accumulators only
-    i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # second half: dq, dk for key block i_k (grid [NK, NC, H], NK and NC on axis 0), [C, BK] accumulators only
+    i_k, i_c = _pid_split((K + BK - 1) // BK)
+    i_h = tl.program_id(1)
     t0, nt, ch = _chunk_coords(i_c, i_h, H, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     o_t = tl.arange(0, BT)
     m_t = o_t < nt
@@ -899,6 +914,8 @@ def launch_config(K, V, dtype, NE, n_seq):
     # spills ~1.6 KB/thread at K = 128 (4 warps; 0.9 at 8) and ~2.7 KB at K = 256 (bf16, sm_90).
     # With local_bk < K it runs as two kernels with K in blocks (_bwd_local_cc, _bwd_local_dqk;
     # like fla's dq/dk kernel), at the price of reading dU, U, dO, h and dh once more.
+    # Not at 4 warps: faster at K = 128, but Triton 3.6 for sm_90 then gives wrong dq, dk, dg in
+    # ~0.3% of chunks (bench/KERNEL_NOTES.md, "Local backward in key blocks").
     # With injected rows (NE > 0) the prep and the output pass also take wider value blocks (64
     # and 128 at K <= 128 in bf16/fp16): they re-read Ke and the rows' tiles once per value block
     # (bench/results/kernel_sweep_2026-12-01_1745.txt: L = 3 prep 679 -> 510 us, output 321 -> 287).
@@ -1039,12 +1056,12 @@ def _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state, cu_seqlens):
     _fwd_prep[(NC, H)](k, v, ke_, ve_, g, beta, gc, tinv, w, u, hr, cu, ci, T, H, NE=NE, **meta,
                        **cfg["fwd_prep"])
     c = cfg["fwd_state"]
-    _fwd_state[(triton.cdiv(V, c["BV"]), N * H)](k, w, u, gc, hr, h, h0, ht, cu, co, T, H, NE=NE,
+    _fwd_state[(triton.cdiv(V, c["BV"]) * N * H,)](k, w, u, gc, hr, h, h0, ht, cu, co, T, H, NE=NE,
                                                   **meta, HAS_H0=h0 is not None, STORE_HT=output_final_state,
                                                   RECOMPUTE=False, **c)
     del hr
     c = cfg["fwd_out"]
-    _fwd_out[(triton.cdiv(V, c["BV"]), NC, H)](q, k, ke_, ve_, u, gc, h, o, scale, cu, ci, T, H, NE=NE,
+    _fwd_out[(triton.cdiv(V, c["BV"]) * NC, H)](q, k, ke_, ve_, u, gc, h, o, scale, cu, ci, T, H, NE=NE,
                                                 **meta, **c)
     # h and W are not saved: the backward rebuilds h from U (one sequential pass, like fla's) and
     # W from Tm (one product per chunk), which keeps the largest activation, [chunks, H, K, V],
@@ -1062,9 +1079,9 @@ def _chunk_states(k, u, gc, ke, ve, h0, meta, cfg, tables, NE):
     if NE:   # the rows' state term, a temporary the size of h
         hr = _empty(NC, H, K, V, dtype=k.dtype, device=k.device)
         c = cfg["bwd_r"]
-        _fwd_rows[(triton.cdiv(V, c["BV"]), NC, H)](ke, ve, gc, hr, cu, ci, T, H, NE=NE, **meta, **c)
+        _fwd_rows[(triton.cdiv(V, c["BV"]) * NC, H)](ke, ve, gc, hr, cu, ci, T, H, NE=NE, **meta, **c)
     c = cfg["bwd_h"]
-    _fwd_state[(triton.cdiv(V, c["BV"]), N * H)](k, k, u, gc, hr, h, h0, h, cu, co, T, H, NE=NE,
+    _fwd_state[(triton.cdiv(V, c["BV"]) * N * H,)](k, k, u, gc, hr, h, h0, h, cu, co, T, H, NE=NE,
                                                   **meta, HAS_H0=h0 is not None, STORE_HT=False,
                                                   RECOMPUTE=True, **c)
     return h
@@ -1084,9 +1101,9 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables
     dh = _empty(NC, H, K, V, dtype=dt, device=dev)
     dh0 = _empty(N, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
     c = cfg["bwd_dv_local"]
-    _bwd_dv_local[(triton.cdiv(V, c["BV"]), NC, H)](q, k, gc, do, du, scale, cu, ci, T, H, **meta, **c)
+    _bwd_dv_local[(triton.cdiv(V, c["BV"]) * NC, H)](q, k, gc, do, du, scale, cu, ci, T, H, **meta, **c)
     c = cfg["bwd_state"]
-    _bwd_state[(triton.cdiv(V, c["BV"]), N * H)](q, k, w, gc, do, du, dh, dht, dh0, scale, cu, co, T, H,
+    _bwd_state[(triton.cdiv(V, c["BV"]) * N * H,)](q, k, w, gc, do, du, dh, dht, dh0, scale, cu, co, T, H,
                                                   **meta, HAS_DHT=dht is not None,
                                                   STORE_DH0=h0 is not None, **c)
     del w
@@ -1118,7 +1135,7 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables
                                cu, ci, T, H, NE=NE, **dict(meta, BK=c.pop("BK")), **c)
         c = dict(cfg["bwd_local_dqk"])
         bk = c.pop("BK")
-        _bwd_local_dqk[(triton.cdiv(K, bk), NC, H)](q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk,
+        _bwd_local_dqk[(triton.cdiv(K, bk) * NC, H)](q, k, beta, gc, tinv, h, dh, u, du, do, mm, dq, dk,
                                                      dqp, dkp, scale, cu, ci, T, H, NE=NE, **dict(meta, BK=bk), **c)
     return dq, dk, dv, dg, dbeta, dke, dve, dh0
 
@@ -2024,7 +2041,7 @@ def _recurrent_fwd(q, k, v, g, beta, ke, ve, st, o, reset, A_log, dt_bias, u, st
     #   r = v - u;  per l: d = GELU(p r) | p r | sigmoid(p) r (MODE 0 | 1 | 2);  r -= d
     #   ke_l = l2norm(key_l) (KEYS 0 own) | l2norm(key_0) (1 shared) | k (2 base);  ve_l = sigmoid(step_l) d
     # GATES: g and beta hold the projections a, b: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_bh = _pid_split((V + BV - 1) // BV)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -2157,7 +2174,7 @@ def recurrent_prism_step(q, k, v, g, beta, ke=None, ve=None, scale=None, state=N
     BV = min(OVERRIDES.get("step_bv", 32), triton.next_power_of_2(V))
     o = _empty(B, T, H, V, dtype=v.dtype, device=q.device)
     A_log, dt_bias = gates if gates is not None else (dummy, dummy)
-    _recurrent_fwd[(triton.cdiv(V, BV), B * H)](
+    _recurrent_fwd[(triton.cdiv(V, BV) * B * H,)](
         q, k, v, g, beta, ke_, ve_, state, o, flags, A_log, dt_bias, u, steps,
         scale, T, H, s_q, s_k, s_v, s_g, s_b, s_ke, h_ke, l_ke, s_ve, h_ve, l_ve, s_u, s_st,
         K=K, V=V, NE=NE, BK=BK, BV=BV, NORM_QK=bool(l2norm_qk), GATES=gates is not None,
@@ -2298,7 +2315,7 @@ def rope_kv_write(qkv, cos, sin, pos, begin, k_cache, v_cache):
 def _attn_part(q, kc, vc, begin, pos, m_out, l_out, acc_out, scale, H, L, SPLIT, NS,
                D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     # split i_s of the keys [begin_b, pos] of one (row, head): an online softmax over its share
-    i_s, i_bh = tl.program_id(0), tl.program_id(1)
+    i_s, i_bh = _pid_split(NS)
     i_b, i_h = i_bh // H, i_bh % H
     hi = tl.minimum(tl.load(pos) + 1, (i_s + 1) * SPLIT)
     lo = tl.maximum(tl.load(begin + i_b), i_s * SPLIT)
@@ -2369,7 +2386,7 @@ def decode_attention(q, k_cache, v_cache, begin, pos, splits=None, scale=None):
     l = _empty(B * H, NS, dtype=torch.float32, device=dev)
     acc = _empty(B * H, NS, D, dtype=torch.float32, device=dev)
     BD = triton.next_power_of_2(D)
-    _attn_part[(NS, B * H)](q.contiguous(), k_cache, v_cache, begin, pos, m, l, acc, scale, H, L, SPLIT, NS,
+    _attn_part[(NS * B * H,)](q.contiguous(), k_cache, v_cache, begin, pos, m, l, acc, scale, H, L, SPLIT, NS,
                             D=D, BD=BD, BN=BN, num_warps=4)
     o = _empty(B, 1, H, D, dtype=q.dtype, device=dev)
     _attn_combine[(B * H,)](m, l, acc, o, NS, D=D, BD=BD, BS=triton.next_power_of_2(NS))
