@@ -551,11 +551,11 @@ def test_launch_grids_fit_cuda_limits(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("K,V,T", [(128, 256, 2**20), (256, 128, 2**19)])
+@pytest.mark.parametrize("K,V,T", [(128, 256, 2**20), (192, 384, 2**19)])
 def test_gpu_million_tokens_int64_offsets(K, V, T):
     # B=1, T=2^20, H=6, K=128, V=256, L=3, bf16: h/dh hold 6.4e9 elements and ve's token offsets
-    # pass 2^31, so every 32-bit product would wrap. K=256 (chunks of 32): the local backward as
-    # the key-block pair, over as many chunks. Reference: delta_rule_chunk in float32 on the
+    # pass 2^31, so every 32-bit product would wrap. K=192, V=384 (the 340M and 1.3B configs' heads,
+    # chunks of 32): the local backward as the key-block pair, over as many chunks. Reference: delta_rule_chunk in float32 on the
     # GPU, run segment by segment (forward keeps only the boundary states; backward recomputes
     # each segment with autograd, last first, passing the state gradient back), so its memory is one
     # segment's. Kernel memory: ~70 GB.
