@@ -1057,8 +1057,8 @@ def _fwd(q, k, v, g, beta, ke, ve, scale, h0, output_final_state, cu_seqlens):
                        **cfg["fwd_prep"])
     c = cfg["fwd_state"]
     _fwd_state[(triton.cdiv(V, c["BV"]) * N * H,)](k, w, u, gc, hr, h, h0, ht, cu, co, T, H, NE=NE,
-                                                  **meta, HAS_H0=h0 is not None, STORE_HT=output_final_state,
-                                                  RECOMPUTE=False, **c)
+                                                   **meta, HAS_H0=h0 is not None, STORE_HT=output_final_state,
+                                                   RECOMPUTE=False, **c)
     del hr
     c = cfg["fwd_out"]
     _fwd_out[(triton.cdiv(V, c["BV"]) * NC, H)](q, k, ke_, ve_, u, gc, h, o, scale, cu, ci, T, H, NE=NE,
@@ -1082,8 +1082,8 @@ def _chunk_states(k, u, gc, ke, ve, h0, meta, cfg, tables, NE):
         _fwd_rows[(triton.cdiv(V, c["BV"]) * NC, H)](ke, ve, gc, hr, cu, ci, T, H, NE=NE, **meta, **c)
     c = cfg["bwd_h"]
     _fwd_state[(triton.cdiv(V, c["BV"]) * N * H,)](k, k, u, gc, hr, h, h0, h, cu, co, T, H, NE=NE,
-                                                  **meta, HAS_H0=h0 is not None, STORE_HT=False,
-                                                  RECOMPUTE=True, **c)
+                                                   **meta, HAS_H0=h0 is not None, STORE_HT=False,
+                                                   RECOMPUTE=True, **c)
     return h
 
 
@@ -1104,8 +1104,8 @@ def _bwd(q, k, v, g, beta, ke, ve, scale, h0, saved, do, dht, cu_seqlens, tables
     _bwd_dv_local[(triton.cdiv(V, c["BV"]) * NC, H)](q, k, gc, do, du, scale, cu, ci, T, H, **meta, **c)
     c = cfg["bwd_state"]
     _bwd_state[(triton.cdiv(V, c["BV"]) * N * H,)](q, k, w, gc, do, du, dh, dht, dh0, scale, cu, co, T, H,
-                                                  **meta, HAS_DHT=dht is not None,
-                                                  STORE_DH0=h0 is not None, **c)
+                                                   **meta, HAS_DHT=dht is not None,
+                                                   STORE_DH0=h0 is not None, **c)
     del w
     dq = _empty(B, T, H, K, dtype=dt, device=dev)
     dk = _empty(B, T, H, K, dtype=dt, device=dev)
@@ -2387,7 +2387,7 @@ def decode_attention(q, k_cache, v_cache, begin, pos, splits=None, scale=None):
     acc = _empty(B * H, NS, D, dtype=torch.float32, device=dev)
     BD = triton.next_power_of_2(D)
     _attn_part[(NS * B * H,)](q.contiguous(), k_cache, v_cache, begin, pos, m, l, acc, scale, H, L, SPLIT, NS,
-                            D=D, BD=BD, BN=BN, num_warps=4)
+                              D=D, BD=BD, BN=BN, num_warps=4)
     o = _empty(B, 1, H, D, dtype=q.dtype, device=dev)
     _attn_combine[(B * H,)](m, l, acc, o, NS, D=D, BD=BD, BS=triton.next_power_of_2(NS))
     return o
