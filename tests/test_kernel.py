@@ -128,6 +128,14 @@ def test_tiny_local_backward_in_key_blocks(monkeypatch, K, L, cc_bk):
     check_against_naive(1, 130, 2, K, 16, L, torch.float32, 1e-4, seed=40 + K)
 
 
+def test_tiny_larger_configs_heads_vs_naive():
+    # K = 192, V = 384 (the 340M and 1.3B configs): key tiles padded to 256 and masked, chunks of
+    # 32, the local backward as the key-block pair (three key blocks of 64): the launch defaults
+    BT, BK, cfg = prism_kernel.launch_config(192, 384, torch.float32, 2, 1)
+    assert (BT, BK, cfg["bwd_local_dqk"]["BK"]) == (32, 256, 64) and "bwd_local" not in cfg
+    check_against_naive(1, 70, 1, 192, 384, 3, torch.float32, 1e-4, h0=True, seed=192)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tiny_half_vs_naive(dtype):
     check_against_naive(2, 70, 1, 16, 16, 2, dtype, 2e-2, seed=7)
@@ -407,6 +415,7 @@ def test_gpu_vs_naive(poisoned, T, L, dtype, tol, D):
 # each dtype meets every L and each head shape three (one specialisation set per case)
 GPU_DTYPES = [(torch.float32, 1e-4), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)]
 GPU_HEADS = [(K, V) for K in (64, 128, 256) for V in (64, 128, 256)]
+GPU_HEADS += [(192, 384)]   # the 340M and 1.3B configs' heads: K padded to 256 in the tiles
 GPU_MATRIX = [(dt, tol, K, V, 1 + (i + j) % 4) for j, (dt, tol) in enumerate(GPU_DTYPES)
               for i, (K, V) in enumerate(GPU_HEADS)]
 # (B, T, H, K, V, L, dtype name, with states, packed sequences or 0): what the gpu tests launch,
