@@ -2,9 +2,9 @@
 The chunk-local backward in two forms, chunk by chunk, at a million tokens: the one kernel
 (_bwd_local, the default at K <= 128) and the key-block pair (_bwd_local_cc + _bwd_local_dqk)
 at a launch given as prism_kernel overrides. Both run on the same inputs (the GPU million-token
-test's: B=1, H=6, L=3, bf16, a nonzero initial state); every output and gradient is compared
-with the float32 chunk reference (model.delta_rule_chunk, segment by segment, as that test does)
-in chunks of 64 tokens, and the two forms with each other.
+test's, tests/test_kernel.py long_inputs: B=1, H=6, L=3, bf16, a nonzero initial state); every
+output and gradient is compared with the float32 chunk reference (segmented_reference, as that
+test does) in chunks of 64 tokens, and the two forms with each other.
 
     python bench/check_local_pair.py --seed 1499976706
     python bench/check_local_pair.py --pair local_bk=64,bwd_local_cc.num_warps=8,bwd_local_dqk.num_warps=8
@@ -31,8 +31,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import prism_kernel  # noqa: E402
 from prism_kernel import chunk_prism  # noqa: E402
-from model import delta_rule_chunk  # noqa: E402
-from test_kernel import NAMES, chunk_rel_errs  # noqa: E402
+from test_kernel import NAMES, chunk_rel_errs, long_inputs, segmented_reference  # noqa: E402
 
 
 def overrides(text):
@@ -52,20 +51,10 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("check_local_pair.py needs a CUDA GPU")
     variants = {"one": overrides(a.one), "pair": overrides(a.pair)}
-    B, T, H, K, V, NE, SEG = 1, a.T, 6, a.K, a.V, 2, 2**16
-    gen = torch.Generator(device="cuda").manual_seed(a.seed)
+    B, T, H, K, V, NE = 1, a.T, 6, a.K, a.V, 2
     bf = torch.bfloat16
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
-    q = F.normalize(r(B, T, H, K), dim=-1).to(bf)
-    k = F.normalize(r(B, T, H, K), dim=-1).to(bf)
-    v = r(B, T, H, V).to(bf)
-    g = -3 * torch.rand(B, T, H, generator=gen, device="cuda")
-    beta = torch.rand(B, T, H, generator=gen, device="cuda").to(bf)
-    ke = F.normalize(r(B, T, H, NE, K), dim=-1).to(bf)
-    ve = (0.5 * r(B, T, H, NE, V)).to(bf)
-    s0 = 0.5 * r(B, H, K, V)
-    do = r(B, T, H, V).to(bf)
-    dht = r(B, H, K, V)
+    q, k, v, g, beta, ke, ve, s0, do, dht = long_inputs(torch.Generator(device="cuda").manual_seed(a.seed),
+                                                        T, H, K, V, NE)
 
     outs, launches = {}, {}
     for name, ov in variants.items():   # each form's outputs and gradients, kept on the host
@@ -90,35 +79,17 @@ def main():
     def check(name, sl, ref):
         for vn in variants:
             x = (outs[vn][name][:, sl] if sl is not None else outs[vn][name]).cuda()
-            if name in ("final_state", "dh0"):
+            if sl is None:
                 errs[name][vn].append(((x.float() - ref).norm() / ref.norm()).view(1).cpu())
             else:
                 errs[name][vn].append(chunk_rel_errs(x, ref).cpu())
-        if name not in ("final_state", "dh0"):
+        if sl is not None:
             b = ref.float().flatten(2)
             pad = (-b.shape[1]) % 64
             norms[name].append(F.pad(b, (0, 0, 0, pad)).unflatten(1, (-1, 64)).pow(2).sum((0, 2, 3)).sqrt().cpu())
             diffs[name].append(chunk_rel_errs(outs["pair"][name][:, sl].cuda(), outs["one"][name][:, sl].cuda().float()).cpu())
 
-    ins = [x.detach() for x in (q, k, v, g, beta, ke, ve)]
-    states = [s0]
-    with torch.no_grad():
-        for s in range(0, T, SEG):
-            o_s, st = delta_rule_chunk(*(x[:, s:s + SEG].float() for x in ins), initial_state=states[-1],
-                                       output_final_state=True)
-            check("o", slice(s, s + SEG), o_s)
-            states.append(st)
-    check("final_state", None, states[-1])
-    dS = dht
-    for s in reversed(range(0, T, SEG)):
-        seg = [x[:, s:s + SEG].to(torch.float32, copy=True).requires_grad_() for x in ins]
-        st0 = states[s // SEG].clone().requires_grad_()
-        o_s, st = delta_rule_chunk(*seg, initial_state=st0, output_final_state=True)
-        torch.autograd.backward([o_s, st], [do[:, s:s + SEG].float(), dS])
-        for name, x in zip(NAMES[2:9], seg):
-            check(name, slice(s, s + SEG), x.grad)
-        dS = st0.grad
-    check("dh0", None, dS)
+    segmented_reference([q, k, v, g, beta, ke, ve], s0, do, dht, check)
 
     res = {}
     for n in NAMES:

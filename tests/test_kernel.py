@@ -558,67 +558,38 @@ def test_launch_grids_fit_cuda_limits(monkeypatch):
         assert grid[0] < 2**31 and all(d <= 65535 for d in grid[1:]), f"{name} grid {grid}"
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("K,V,T", [(128, 256, 2**20), (192, 384, 2**19)])
-def test_gpu_million_tokens_int64_offsets(K, V, T):
-    # B=1, T=2^20, H=6, K=128, V=256, L=3, bf16: h/dh hold 6.4e9 elements and ve's token offsets
-    # pass 2^31, so every 32-bit product would wrap. K=192, V=384 (the 340M and 1.3B configs' heads,
-    # chunks of 32): the local backward as the key-block pair, over as many chunks. Reference: delta_rule_chunk in float32 on the
-    # GPU, run segment by segment (forward keeps only the boundary states; backward recomputes
-    # each segment with autograd, last first, passing the state gradient back), so its memory is one
-    # segment's. Kernel memory: ~70 GB.
-    seed = torch.seed() % 2**31
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    B, H, NE, SEG = 1, 6, 2, 2**16
-    bf = torch.bfloat16
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
-    q = F.normalize(r(B, T, H, K), dim=-1).to(bf)
-    k = F.normalize(r(B, T, H, K), dim=-1).to(bf)
-    v = r(B, T, H, V).to(bf)
-    g = -3 * torch.rand(B, T, H, generator=gen, device="cuda")
-    beta = torch.rand(B, T, H, generator=gen, device="cuda").to(bf)
-    ke = F.normalize(r(B, T, H, NE, K), dim=-1).to(bf)
-    ve = (0.5 * r(B, T, H, NE, V)).to(bf)
-    s0 = 0.5 * r(B, H, K, V)
-    do = r(B, T, H, V).to(bf)
-    dht = r(B, H, K, V)
-    xs = [x.requires_grad_() for x in (q, k, v, g, beta, ke, ve, s0)]
-    o, ht = chunk_prism(*xs[:7], initial_state=xs[7], output_final_state=True)
-    torch.autograd.backward([o, ht], [do, dht])
-    out = {"o": o.detach(), "final_state": ht.detach()}
-    out.update({n: x.grad for n, x in zip(NAMES[2:], (q, k, v, g, beta, ke, ve, s0))})
-    del o, ht
-    for x in xs:
-        x.grad = None
-    torch.cuda.empty_cache()
+def long_inputs(gen, T, H, K, V, NE):
+    """Inputs of the long-sequence checks (B = 1, bf16, unit keys, a nonzero initial state) and
+    the output and state gradients: q, k, v, g, beta, ke, ve, s0, do, dht on gen's device."""
+    bf, dev = torch.bfloat16, gen.device
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)
+    q = F.normalize(r(1, T, H, K), dim=-1).to(bf)
+    k = F.normalize(r(1, T, H, K), dim=-1).to(bf)
+    v = r(1, T, H, V).to(bf)
+    g = -3 * torch.rand(1, T, H, generator=gen, device=dev)
+    beta = torch.rand(1, T, H, generator=gen, device=dev).to(bf)
+    ke = F.normalize(r(1, T, H, NE, K), dim=-1).to(bf)
+    ve = (0.5 * r(1, T, H, NE, V)).to(bf)
+    s0 = 0.5 * r(1, H, K, V)
+    do = r(1, T, H, V).to(bf)
+    dht = r(1, H, K, V)
+    return q, k, v, g, beta, ke, ve, s0, do, dht
 
-    ins = [x.detach() for x in xs[:7]]
-    states = [xs[7].detach()]
-    worst = {}
-    tag = f"T={T} H=6 K={K} V={V} L=3 bf16 seed={seed}"
-    sq = {}  # name -> [sum |a-b|^2, sum |b|^2] over the segments, for the whole-tensor error
 
-    def check(name, a, b, tol=0.02):
-        # every 64-token chunk within tol: bf16 rounding gives at most 4e-3 here (2^20 tokens, two
-        # seeds, every output and gradient); a wrapped offset gives ~1 or NaN, and the local
-        # backward's key-block pair at 4 warps per kernel (compiled by Triton 3.6 for sm_90) gave
-        # 0.05-0.13 in ~40 of 16384 chunks of dq, dk and dg (bench/results/local_pair_check_2026-12-04.json)
-        assert torch.isfinite(a).all(), f"{tag} {name}: non-finite values"
-        e = chunk_rel_errs(a, b) if name not in ("final_state", "dh0") else torch.tensor([rel_err(a, b)])
-        worst[name] = max(worst.get(name, 0.0), e.max().item())
-        assert e.max() <= tol, f"{tag} {name}: chunk rel. error {e.max().item():.2e} at chunk {e.argmax().item()}"
-        acc = sq.setdefault(name, [0.0, 0.0])
-        acc[0] += (a.double() - b.double()).pow(2).sum().item()
-        acc[1] += b.double().pow(2).sum().item()
-
+def segmented_reference(ins, s0, do, dht, check, SEG=2**16):
+    """delta_rule_chunk in float32 over ins = (q, k, v, g, beta, ke, ve), segment by segment, so
+    its memory is one segment's: the forward keeps only the boundary states, the backward
+    recomputes each segment with autograd, last first, passing the state gradient back. Calls
+    check(name, token slice or None, reference) for o, final_state, each gradient and dh0."""
+    T = ins[0].shape[1]
+    states = [s0]
     with torch.no_grad():
         for s in range(0, T, SEG):
             o_s, st = delta_rule_chunk(*(x[:, s:s + SEG].float() for x in ins), initial_state=states[-1],
                                        output_final_state=True)
-            check("o", out["o"][:, s:s + SEG], o_s)
+            check("o", slice(s, s + SEG), o_s)
             states.append(st)
-    check("final_state", out["final_state"], states[-1])
+    check("final_state", None, states[-1])
     dS = dht
     for s in reversed(range(0, T, SEG)):
         seg = [x[:, s:s + SEG].to(torch.float32, copy=True).requires_grad_() for x in ins]
@@ -626,10 +597,51 @@ def test_gpu_million_tokens_int64_offsets(K, V, T):
         o_s, st = delta_rule_chunk(*seg, initial_state=st0, output_final_state=True)
         torch.autograd.backward([o_s, st], [do[:, s:s + SEG].float(), dS])
         for name, x in zip(NAMES[2:9], seg):
-            check(name, out[name][:, s:s + SEG], x.grad)
+            check(name, slice(s, s + SEG), x.grad)
         dS = st0.grad
         del seg, o_s, st
-    check("dh0", out["dh0"], dS)
+    check("dh0", None, dS)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("K,V,T", [(128, 256, 2**20), (192, 384, 2**19)])
+def test_gpu_million_tokens_int64_offsets(K, V, T):
+    # B=1, T=2^20, H=6, K=128, V=256, L=3, bf16: h/dh hold 6.4e9 elements and ve's token offsets
+    # pass 2^31, so every 32-bit product would wrap. K=192, V=384 (the 340M and 1.3B configs'
+    # heads, chunks of 32): the local backward as the key-block pair, over as many chunks.
+    # Reference: delta_rule_chunk in float32 on the GPU, segment by segment. Kernel memory: ~70 GB.
+    seed = torch.seed() % 2**31
+    *xs, do, dht = long_inputs(torch.Generator(device="cuda").manual_seed(seed), T, 6, K, V, 2)
+    xs = [x.requires_grad_() for x in xs]
+    o, ht = chunk_prism(*xs[:7], initial_state=xs[7], output_final_state=True)
+    torch.autograd.backward([o, ht], [do, dht])
+    out = {"o": o.detach(), "final_state": ht.detach()}
+    out.update({n: x.grad for n, x in zip(NAMES[2:], xs)})
+    del o, ht
+    for x in xs:
+        x.grad = None
+    torch.cuda.empty_cache()
+
+    worst = {}
+    tag = f"T={T} H=6 K={K} V={V} L=3 bf16 seed={seed}"
+    sq = {}  # name -> [sum |a-b|^2, sum |b|^2] over the segments, for the whole-tensor error
+
+    def check(name, sl, b, tol=0.02):
+        # every 64-token chunk within tol: bf16 rounding gives at most 4e-3 here (2^20 tokens, two
+        # seeds, every output and gradient); a wrapped offset gives ~1 or NaN, and the local
+        # backward's key-block pair at 4 warps per kernel (compiled by Triton 3.6 for sm_90) gave
+        # 0.05-0.13 in ~40 of 16384 chunks of dq, dk and dg (bench/results/local_pair_check_2026-12-04.json)
+        a = out[name] if sl is None else out[name][:, sl]
+        assert torch.isfinite(a).all(), f"{tag} {name}: non-finite values"
+        e = chunk_rel_errs(a, b) if sl is not None else torch.tensor([rel_err(a, b)])
+        worst[name] = max(worst.get(name, 0.0), e.max().item())
+        assert e.max() <= tol, f"{tag} {name}: chunk rel. error {e.max().item():.2e} at chunk {e.argmax().item()}"
+        acc = sq.setdefault(name, [0.0, 0.0])
+        acc[0] += (a.double() - b.double()).pow(2).sum().item()
+        acc[1] += b.double().pow(2).sum().item()
+
+    segmented_reference([x.detach() for x in xs[:7]], xs[7].detach(), do, dht, check)
     whole = {n: (a / b) ** 0.5 for n, (a, b) in sq.items()}
     bad = {n: e for n, e in whole.items() if not e <= 1e-2}
     assert not bad, f"{tag}: whole-tensor rel. error over 1e-2: {bad}"
