@@ -656,14 +656,10 @@ def test_gpu_more_chunks_than_grid_axis_limit():
     # the whole call against the same inputs in two calls, the state handed over between them
     seed = torch.seed() % 2**31
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    bf = torch.bfloat16
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
 
-    def inputs(T):
-        q, k = (F.normalize(r(1, T, 1, 64), dim=-1).to(bf) for _ in range(2))
-        v, ke, ve = r(1, T, 1, 64).to(bf), F.normalize(r(1, T, 1, 1, 64), dim=-1).to(bf), (0.5 * r(1, T, 1, 1, 64)).to(bf)
-        g, beta = -torch.rand(1, T, 1, generator=gen, device="cuda"), torch.rand(1, T, 1, generator=gen, device="cuda").to(bf)
-        return [x.requires_grad_() for x in (q, k, v, g, beta, ke, ve)]
+    def inputs(T):   # H = 1, K = V = 64, L = 2: q, k, v, g, beta, ke, ve and the output gradient
+        *xs, _, do, _ = long_inputs(gen, T, 1, 64, 64, 1)
+        return [x.requires_grad_() for x in xs], do
 
     def grads(xs, outs, dos):
         torch.autograd.backward(outs, dos)
@@ -674,8 +670,7 @@ def test_gpu_more_chunks_than_grid_axis_limit():
 
     names = ["dq", "dk", "dv", "dg", "dbeta", "dke", "dve"]
     T = 2**22 + 2**20    # 81920 chunks of 64, one sequence; halves of 40960
-    xs = inputs(T)
-    do = r(1, T, 1, 64).to(bf)
+    xs, do = inputs(T)
     o, _ = chunk_prism(*xs)
     whole = [o.detach()] + grads(xs, [o], [do])
     o1, h1 = chunk_prism(*(x[:, :T // 2] for x in xs), output_final_state=True)
@@ -690,9 +685,8 @@ def test_gpu_more_chunks_than_grid_axis_limit():
     lens = torch.randint(1, 16, (n,), generator=gen, device="cuda")
     cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
     T = int(cu[-1])
-    xs = inputs(T)
-    do = r(1, T, 1, 64).to(bf)
-    h0 = r(n, 1, 64, 64)
+    xs, do = inputs(T)
+    h0 = torch.randn(n, 1, 64, 64, generator=gen, device="cuda")
     o, ht = chunk_prism(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     whole = [o.detach(), ht.detach()] + grads(xs, [o], [do])
     m = int(cu[n // 2])
