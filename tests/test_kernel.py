@@ -551,9 +551,9 @@ def test_launch_grids_fit_cuda_limits(monkeypatch):
         cache = torch.zeros(B, 4, H, 16, dtype=bf)
         prism_kernel.decode_attention(q, cache, cache, torch.zeros(B, dtype=torch.int64), torch.tensor(3), splits=2)
     decode_grids = record_grids(monkeypatch, decode)
-    assert {n for n, _ in long_grids} >= {"_fwd_prep", "_fwd_state", "_fwd_out", "_fwd_rows", "_bwd_dv_local",
-                                          "_bwd_state", "_bwd_local", "_bwd_local_dqk"}
-    assert {"_recurrent_fwd", "_attn_part"} <= {n for n, _ in decode_grids}
+    assert {kernel for kernel, _ in long_grids} >= {"_fwd_prep", "_fwd_state", "_fwd_out", "_fwd_rows",
+                                                   "_bwd_dv_local", "_bwd_state", "_bwd_local", "_bwd_local_dqk"}
+    assert {"_recurrent_fwd", "_attn_part"} <= {kernel for kernel, _ in decode_grids}
     for name, grid in long_grids + packed_grids + decode_grids:
         assert grid[0] < 2**31 and all(d <= 65535 for d in grid[1:]), f"{name} grid {grid}"
 
