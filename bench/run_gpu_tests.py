@@ -5,6 +5,9 @@
 
 One process per test keeps a test's CUDA context, compiled kernels and memory out of the others
 (the float64 references make the whole set take over 5 minutes even in parallel on one H200).
+Tests marked `exclusive` need most of a GPU's memory (the million-token checks take ~70 GB
+each): they run one at a time after the others, with no other test beside them, so that an
+out-of-memory failure is the test's own and never a neighbour's.
 A test counts as passed only if pytest says "passed": a skip (a missing package, no GPU) is
 reported as skipped, and a file that fails to collect (an import error) is reported, not
 silently left out. Exit status 0 only when every collected test passed and every file
@@ -69,7 +72,8 @@ def run_one(test_id, marker, timeout):
     """(test id, outcome, seconds, output); a test past its time is killed with every process
     it started (a torchrun test's workers too) and counts as "timeout"."""
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-m", marker, "-o", "addopts=",
+    # -rfEs: pytest's summary names each failure's exception (an out-of-memory error, say)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", marker, "-o", "addopts=",
                              "-p", "no:cacheprovider", test_id], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -97,16 +101,25 @@ def main(argv=None):
         p.error("--jobs and --timeout must be positive")
 
     ids, errors = collect(args.paths, args.marker)
-    print(f"collected {len(ids)} tests (-m {args.marker!r}), {len(errors)} collection errors", flush=True)
+    alone = set(collect(args.paths, f"({args.marker}) and exclusive")[0]) if ids else set()
+    shared = [i for i in ids if i not in alone]
+    print(f"collected {len(ids)} tests (-m {args.marker!r}; {len(alone)} of them exclusive, run alone "
+          f"after the others), {len(errors)} collection errors", flush=True)
     results, t0 = [], time.time()
+
+    def report(test_id, result, secs, text):
+        results.append((test_id, result, secs, text))
+        n = len(results)
+        rate = n / max(time.time() - t0, 1e-9)
+        print(f"[{n}/{len(ids)}] {result:8s} {secs:6.1f}s  {test_id}  "
+              f"(ETA {(len(ids) - n) / rate:.0f}s)", flush=True)
+
     with cf.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_one, i, args.marker, args.timeout) for i in ids]
-        for n, fut in enumerate(cf.as_completed(futures), 1):
-            test_id, result, secs, text = fut.result()
-            results.append((test_id, result, secs, text))
-            rate = n / max(time.time() - t0, 1e-9)
-            print(f"[{n}/{len(ids)}] {result:8s} {secs:6.1f}s  {test_id}  "
-                  f"(ETA {(len(ids) - n) / rate:.0f}s)", flush=True)
+        futures = [pool.submit(run_one, i, args.marker, args.timeout) for i in shared]
+        for fut in cf.as_completed(futures):
+            report(*fut.result())
+    for test_id in [i for i in ids if i in alone]:
+        report(*run_one(test_id, args.marker, args.timeout))
 
     counts = {}
     for _, result, _, _ in results:

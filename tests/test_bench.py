@@ -141,3 +141,35 @@ def test_gpu_test_runner_counts_only_passes(tmp_path):
     r = subprocess.run([sys.executable, "bench/run_gpu_tests.py", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "1 of 1 passed" in r.stdout, r.stdout + r.stderr
+
+
+def test_gpu_test_runner_runs_exclusive_tests_alone(tmp_path):
+    """A test marked exclusive (most of the GPU's memory) runs after the others with none beside
+    it; the rest still run several at once. Each test leaves a file while it runs."""
+    (tmp_path / "running").mkdir()
+    (tmp_path / "test_share.py").write_text(
+        "import os, time, pytest\n"
+        f"RUN = {str(tmp_path / 'running')!r}\n"
+        "def hold(name, secs):\n"
+        "    open(os.path.join(RUN, name), 'w').close()\n"
+        "    others = set()\n"
+        "    for _ in range(int(secs * 10)):\n"
+        "        others |= set(os.listdir(RUN)) - {name}\n"
+        "        time.sleep(0.1)\n"
+        "    os.remove(os.path.join(RUN, name))\n"
+        "    return others\n"
+        "@pytest.mark.gpu\n"
+        "@pytest.mark.parametrize('i', range(3))\n"
+        "def test_shared(i): assert hold(f'shared{i}', 3)   # saw another test running\n"
+        "@pytest.mark.gpu\n"
+        "@pytest.mark.exclusive\n"
+        "@pytest.mark.parametrize('i', range(2))\n"
+        "def test_big(i):\n"
+        "    others = hold(f'big{i}', 2)\n"
+        "    assert not others, others\n")
+    r = subprocess.run([sys.executable, "bench/run_gpu_tests.py", str(tmp_path), "-j", "4"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "5 of 5 passed" in r.stdout and "2 of them exclusive" in r.stdout, \
+        r.stdout + r.stderr
+    order = [line.split()[-3] for line in r.stdout.splitlines() if line.startswith("[")]
+    assert [t.rpartition("::")[2].startswith("test_big") for t in order] == [False] * 3 + [True] * 2, order

@@ -604,6 +604,7 @@ def segmented_reference(ins, s0, do, dht, check, SEG=2**16):
 
 
 @pytest.mark.gpu
+@pytest.mark.exclusive   # ~70 GB: two of these side by side do not fit an H200
 @gpu
 @pytest.mark.parametrize("K,V,T", [(128, 256, 2**20), (192, 384, 2**19)])
 def test_gpu_million_tokens_int64_offsets(K, V, T):
