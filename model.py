@@ -502,7 +502,10 @@ class GatedDeltaNet(nn.Module):
             v = v.contiguous()
         ke, ve = self.solver_write(x, k, v, buf.get("anchor"), reset, fused, seg)
         rule = delta_rule if seg is None else functools.partial(delta_rule_segments, seg)
-        o, state = rule(q, k, v, g, beta, ke, ve, initial_state=buf.get("state"),
+        s0 = buf.get("state")
+        if s0 is not None and s0.dtype == torch.bfloat16:   # a bf16 cache: the update runs in float32
+            s0 = s0.float()
+        o, state = rule(q, k, v, g, beta, ke, ve, initial_state=s0,
                         output_final_state=cache is not None, backend=backend, chunk_size=chunk_size,
                         l2norm_qk=True)
         if cache is not None:  # the cache's buffer keeps its address
@@ -959,18 +962,28 @@ class Model(nn.Module):
                                ignore_index=IGNORE_INDEX)
         return (logits if return_logits else None), loss
 
-    def init_cache(self, batch_size, max_len, device=None, dtype=None):
+    def init_cache(self, batch_size, max_len, device=None, dtype=None, state_dtype=None):
         """Preallocated decoding buffers (Cache) for batch_size rows of up to max_len tokens: per
         GDN/PRISM layer the state S (float32) and the short convs' last inputs, which do not grow
         with max_len; per attention layer a static KV cache [batch_size, max_len, H, D]. Buffers
         other than the state are in `dtype` (default: the parameters'), on `device` (default:
-        the parameters')."""
+        the parameters'). state_dtype=torch.bfloat16 keeps S in bf16 between calls (as a
+        transformer keeps its KV cache in bf16): half the bytes a decoding step moves, which at
+        large batches is most of its time; each call still updates S in float32 and rounds it
+        once when it stores it, so the logits drift from the float32 state's by bf16 rounding."""
         if not (batch_size >= 1 and max_len >= 1):
             raise ValueError(f"init_cache: batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
+        if state_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"init_cache: state_dtype must be None (float32), torch.float32 or "
+                             f"torch.bfloat16, got {state_dtype}")
         cfg, p = self.config, self.wte.weight
         device = p.device if device is None else torch.device(device)
         dtype = p.dtype if dtype is None else dtype
         layers = [b.mixer.cache_buffers(batch_size, max_len, device, dtype) for b in self.blocks]
+        if state_dtype is not None and dtype != torch.float64:   # float64 runs keep a float64 state
+            for buf in layers:
+                if "state" in buf:
+                    buf["state"] = buf["state"].to(state_dtype)
         rope_tables = None
         if any(b.mixer_name == "attention" for b in self.blocks):  # cos, sin as rope() forms them
             D = cfg.n_embd // cfg.n_head
@@ -993,7 +1006,8 @@ class Model(nn.Module):
         return logits[:, -1]
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, graph=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, graph=None,
+                 state_dtype=None):
         """Continue every row of idx [B,T] by max_new_tokens tokens; returns [B, T + n].
 
         temperature 0 (or top_k=1) is greedy; else a draw from softmax(logits / temperature),
@@ -1003,7 +1017,7 @@ class Model(nn.Module):
         the chunk kernels (prefill); each further token is one step of the whole model through the
         cache (init_cache: static buffers, no reallocation), sampled on the device. On CUDA the
         step is captured once in a CUDA graph and replayed per token (graph=False: eager steps).
-        Under autocast the buffers take the autocast dtype."""
+        Under autocast the buffers take the autocast dtype; state_dtype as in init_cache."""
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"generate: idx must be [B,T] token ids with T >= 1, got {tuple(idx.shape)}")
         B, T0 = idx.shape
@@ -1015,7 +1029,7 @@ class Model(nn.Module):
         dev = idx.device
         autocast = torch.is_autocast_enabled(dev.type)
         dtype = torch.get_autocast_dtype(dev.type) if autocast else self.wte.weight.dtype
-        cache = self.init_cache(B, T0 + max_new_tokens, dev, dtype)
+        cache = self.init_cache(B, T0 + max_new_tokens, dev, dtype, state_dtype)
         seq = idx.new_empty(B, T0 + max_new_tokens)
         seq[:, :T0] = idx
         done = torch.zeros(B, dtype=torch.bool, device=dev) if eos_id is not None else None

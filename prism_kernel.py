@@ -2049,7 +2049,7 @@ def _recurrent_fwd(q, k, v, g, beta, ke, ve, st, o, reset, A_log, dt_bias, u, st
     m_v = o_v < V
     p_s = st + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
-    b_s = tl.load(p_s, mask=m_s, other=0.)
+    b_s = tl.load(p_s, mask=m_s, other=0.).to(tl.float32)   # a bf16 state is updated in float32
     if GATES:
         neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
         b_dt = tl.load(dt_bias + i_h).to(tl.float32)
@@ -2097,7 +2097,7 @@ def _recurrent_fwd(q, k, v, g, beta, ke, ve, st, o, reset, A_log, dt_bias, u, st
             b_s += b_e[:, None] * b_w[None, :]
         b_o = tl.sum(b_q[:, None] * b_s, axis=0) * scale
         tl.store(o + row * H * V + i_h * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    tl.store(p_s, b_s, mask=m_s)
+    tl.store(p_s, b_s.to(st.dtype.element_ty), mask=m_s)   # bf16: rounded to nearest even
 
 
 SOLVER_KEYS = {"own": 0, "shared": 1, "base": 2}
@@ -2111,7 +2111,8 @@ def recurrent_prism_step(q, k, v, g, beta, ke=None, ve=None, scale=None, state=N
     q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H], ke [B,T,H,L-1,K], ve [B,T,H,L-1,V] or None; a
     single token may also come without the T axis ([B,H,...]), and the output follows. Rows of
     each input may be strided (slices of a wider projection). state [B,H,K,V] float32 contiguous
-    is updated in place (None: start from zeros). reset [B,T] bool: the state is dropped before
+    is updated in place (None: start from zeros); a bfloat16 state is read, updated in float32
+    over the call's tokens and rounded once when stored. reset [B,T] bool: the state is dropped before
     that token. Returns (o [B,T,H,V] in v's dtype, state).
 
     The model's decoding step hands over its raw projections instead, so the layer's recurrence
@@ -2136,8 +2137,9 @@ def recurrent_prism_step(q, k, v, g, beta, ke=None, ve=None, scale=None, state=N
     _launchable(q, "recurrent_prism_step")
     if state is None:
         state = torch.zeros(B, H, K, V, dtype=torch.float32, device=q.device)
-    elif state.shape != (B, H, K, V) or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"recurrent_prism_step: state must be float32 contiguous [B,H,K,V] = "
+    elif state.shape != (B, H, K, V) or state.dtype not in (torch.float32, torch.bfloat16) \
+            or not state.is_contiguous():
+        raise ValueError(f"recurrent_prism_step: state must be float32 (or bfloat16) contiguous [B,H,K,V] = "
                          f"{(B, H, K, V)}, got {state.dtype} {tuple(state.shape)}")
     scale = K ** -0.5 if scale is None else float(scale)
     (q, s_q), (k, s_k), (v, s_v) = _rows(q), _rows(k), _rows(v)

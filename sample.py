@@ -48,6 +48,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="autocast dtype on CUDA (CPU always runs float32)")
+    p.add_argument("--state_dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the GDN/PRISM states between tokens (bfloat16: half the bytes per step)")
     p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's Mistral model)")
     args = p.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
@@ -81,7 +83,8 @@ def main(argv=None):
             print(f"=== sample {i + 1}/{args.num_samples} ===")
             with torch.no_grad():
                 y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
-                                   top_k=args.top_k or None, eos_id=tok.eos_id)
+                                   top_k=args.top_k or None, eos_id=tok.eos_id,
+                                   state_dtype=getattr(torch, args.state_dtype))
             out = y[0, 1:].tolist()  # drop the document-start token
             if tok.eos_id in out[len(ids) - 1:]:  # stop at the end of the document
                 out = out[:out.index(tok.eos_id, len(ids) - 1)]

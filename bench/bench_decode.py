@@ -71,13 +71,13 @@ def kernel_profile(step, n=PROFILE_STEPS):
 
 
 @torch.no_grad()
-def measure(model, batch, context, steps, warmup=8, profile=False):
+def measure(model, batch, context, steps, warmup=8, profile=False, state_dtype=None):
     """Prefill a random prompt of `context` tokens, then time `steps` graph replays of the
-    decoding step (greedy)."""
+    decoding step (greedy); state_dtype as Model.init_cache takes it."""
     vocab = model.config.vocab_size
     # prompt, first token, eager warm-up, replays, profiled replays
     length = context + 1 + 2 + warmup + steps + (PROFILE_STEPS if profile else 0)
-    cache = model.init_cache(batch, length)
+    cache = model.init_cache(batch, length, state_dtype=state_dtype)
     seq = torch.randint(3, vocab, (batch, length), device="cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -212,6 +212,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=64, help="timed decoding steps per context-curve row")
     p.add_argument("--profile", action="store_true",
                    help="also profile the short rows' step: kernels per step, their GPU time, the largest")
+    p.add_argument("--state_dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype the GDN/PRISM states are kept in between steps (Model.init_cache)")
     p.add_argument("--gemms", action="store_true",
                    help="only the step's GEMMs, F.linear against a transposed weight (decode_gemms)")
     args = p.parse_args(argv)
@@ -238,8 +240,9 @@ def main(argv=None):
         plan += [("context", b, c, args.steps) for b in ints(args.batches) for c in ints(args.contexts)]
         for kind, b, ctx, steps in plan:
             try:  # one row failing (memory, a kernel) must not lose the others
-                row = dict(model=name, kind=kind, **measure(model, b, ctx, steps,
-                                                            profile=args.profile and kind == "short"))
+                row = dict(model=name, kind=kind, state_dtype=args.state_dtype,
+                           **measure(model, b, ctx, steps, profile=args.profile and kind == "short",
+                                     state_dtype=getattr(torch, args.state_dtype)))
             except Exception as e:
                 row = dict(model=name, kind=kind, batch=b, context=ctx, error=f"{type(e).__name__}: {e}")
                 torch.cuda.empty_cache()

@@ -419,6 +419,63 @@ def test_triton_backend_cache_equals_full(name):
     assert max_err(got, full) <= TOL
 
 
+def check_bf16_state(Bn, H, K, V, L):
+    """A bf16 state is read, updated in float32 over the call's tokens and rounded to nearest
+    once when stored: the float32 state's step from the same (rounded) start, then rounded."""
+    from prism_kernel import recurrent_prism_step
+    xs, S0 = recurrence_inputs(Bn, 5, H, K, V, L, torch.float32, DEV)
+    S16 = S0.to(torch.bfloat16)
+    S32 = S16.float()
+    o16, out = recurrent_prism_step(*xs, state=S16)
+    o32, _ = recurrent_prism_step(*xs, state=S32)
+    assert out is S16 and S16.dtype == torch.bfloat16
+    assert torch.equal(o16, o32)
+    assert not torch.equal(S16.float(), S32), "degenerate test: the state needed no rounding"
+    # a GPU rounds float32 -> bf16 to nearest: within half a bf16 ulp of the float32 state. Triton's
+    # CPU interpreter truncates such casts (every bf16 store it runs): there within one ulp.
+    ulp = 2.0 ** (torch.floor(torch.log2(S32.abs())) - 7)
+    bound = ulp if os.environ.get("TRITON_INTERPRET") == "1" else ulp / 2
+    assert ((S16.float() - S32).abs() <= bound).all()
+    with pytest.raises(ValueError, match="state must be"):
+        recurrent_prism_step(*xs, state=S0.half())
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_recurrent_step_bf16_state(L):
+    check_bf16_state(2, 2, 8, 16, L)
+
+
+@pytest.mark.parametrize("backend", ["chunk", "triton"])
+@pytest.mark.parametrize("name", ["gdn", "prism_L3", "hybrid"])
+def test_bf16_state_cache(name, backend):
+    """init_cache(state_dtype=torch.bfloat16): the GDN/PRISM states stay bf16 at the same address
+    through prefill and steps; the logits are the float32 state's up to bf16 rounding (different,
+    and close). generate() takes the option through to its cache."""
+    model = tiny_model(n_layer=2, **CASES[name])
+    model.backend = backend
+    idx = tokens(length=9)
+    with torch.no_grad():
+        ref = run_pieces(model, idx, [4, 1, 1, 3])
+        cache = model.init_cache(idx.shape[0], idx.shape[1], state_dtype=torch.bfloat16)
+        states = [buf["state"] for buf in cache if "state" in buf]
+        ptrs = [s.data_ptr() for s in states]
+        out, t = [], 0
+        for n in [4, 1, 1, 3]:
+            out.append(model(idx[:, t:t + n], cache=cache)[0])
+            t += n
+        got = torch.cat(out, 1)
+    assert states and all(s.dtype == torch.bfloat16 for s in states)
+    assert [buf["state"].data_ptr() for buf in cache if "state" in buf] == ptrs
+    assert 0 < max_err(got, ref) and rel(got, ref) <= 2e-2, (max_err(got, ref), rel(got, ref))
+    with pytest.raises(ValueError, match="state_dtype"):
+        model.init_cache(1, 4, state_dtype=torch.float16)
+    seen = []
+    real = model.init_cache
+    model.init_cache = lambda *a, **kw: seen.append(a) or real(*a, **kw)
+    model.generate(idx[:, :3], 2, temperature=0, state_dtype=torch.bfloat16, graph=False)
+    assert seen and seen[0][-1] == torch.bfloat16
+
+
 # ------------------------------------------------------------------ GPU
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
@@ -429,6 +486,13 @@ def test_triton_backend_cache_equals_full(name):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_recurrent_step_matches_naive(Tn, L, K, V, dtype, tol):
     check_recurrent_step(3, Tn, 6, K, V, L, dtype, tol)
+
+
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_recurrent_step_bf16_state(L):
+    check_bf16_state(4, 6, 128, 256, L)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
