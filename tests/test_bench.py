@@ -160,7 +160,7 @@ def test_gpu_test_runner_runs_exclusive_tests_alone(tmp_path):
         "    return others\n"
         "@pytest.mark.gpu\n"
         "@pytest.mark.parametrize('i', range(3))\n"
-        "def test_shared(i): assert hold(f'shared{i}', 3)   # saw another test running\n"
+        "def test_shared(i): assert hold(f'shared{i}', 6)   # saw another test running\n"
         "@pytest.mark.gpu\n"
         "@pytest.mark.exclusive\n"
         "@pytest.mark.parametrize('i', range(2))\n"
