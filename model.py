@@ -968,8 +968,8 @@ class Model(nn.Module):
         with max_len; per attention layer a static KV cache [batch_size, max_len, H, D]. Buffers
         other than the state are in `dtype` (default: the parameters'), on `device` (default:
         the parameters'). state_dtype=torch.bfloat16 keeps S in bf16 between calls (as a
-        transformer keeps its KV cache in bf16): half the bytes a decoding step moves, which at
-        large batches is most of its time; each call still updates S in float32 and rounds it
+        transformer keeps its KV cache in bf16): half the state bytes a decoding step moves (at
+        batch 64 the largest part of the step); each call still updates S in float32 and rounds it
         once when it stores it, so the logits drift from the float32 state's by bf16 rounding."""
         if not (batch_size >= 1 and max_len >= 1):
             raise ValueError(f"init_cache: batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
