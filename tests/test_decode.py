@@ -429,12 +429,19 @@ def check_bf16_state(Bn, H, K, V, L):
     o16, out = recurrent_prism_step(*xs, state=S16)
     o32, _ = recurrent_prism_step(*xs, state=S32)
     assert out is S16 and S16.dtype == torch.bfloat16
-    assert torch.equal(o16, o32)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    # the interpreter runs both calls op for op: bit-equal outputs. A GPU compiles the two state
+    # dtypes into two kernels whose float32 sums may contract and order differently (an ulp or so)
+    if interpreted:
+        assert torch.equal(o16, o32)
+    else:
+        torch.testing.assert_close(o16, o32, rtol=1e-5, atol=1e-7)
     assert not torch.equal(S16.float(), S32), "degenerate test: the state needed no rounding"
-    # a GPU rounds float32 -> bf16 to nearest: within half a bf16 ulp of the float32 state. Triton's
-    # CPU interpreter truncates such casts (every bf16 store it runs): there within one ulp.
+    # a GPU rounds float32 -> bf16 to nearest: within half a bf16 ulp of the float32 state (plus
+    # the float32 reordering above). Triton's CPU interpreter truncates such casts (every bf16
+    # store it runs): there within one ulp.
     ulp = 2.0 ** (torch.floor(torch.log2(S32.abs())) - 7)
-    bound = ulp if os.environ.get("TRITON_INTERPRET") == "1" else ulp / 2
+    bound = ulp if interpreted else ulp / 2 + 1e-5 * S32.abs() + 1e-7
     assert ((S16.float() - S32).abs() <= bound).all()
     with pytest.raises(ValueError, match="state must be"):
         recurrent_prism_step(*xs, state=S0.half())
