@@ -218,7 +218,7 @@ def main():
                 memory="act = allocated after forward minus before (output + saved); "
                        "peak = max allocated during fwd+bwd minus before; inputs excluded",
                 packed=f"{PACKED_ROWS}x{PACKED_T} tokens as one row of documents, lengths uniform in "
-                       "[16, 1984], against the same tokens as {PACKED_ROWS} rows of {PACKED_T}")
+                       f"[16, 1984], against the same tokens as {PACKED_ROWS} rows of {PACKED_T}")
     print(json.dumps(meta), flush=True)
     sweeps = [None] + [f"state_bv={x}" for x in args.bv.split(",") if x] + args.configs
     rows, profiles, failed = [], {}, []
