@@ -783,7 +783,6 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
     b_dPl = tl.zeros([BT, BT], dtype=tl.float32)  # dO Ve^T
     b_dke = tl.zeros([BT, BK], dtype=tl.float32)  # e^{G_C - G} Ve dS^T, then the rest
     b_xl = tl.zeros([BT], dtype=tl.float32)
-    kdec = (b_ke.to(tl.float32) * e_end[:, None]).to(b_ke.dtype)
     for i_v in range(tl.cdiv(V, BV)):
         p_du, m_v = _tile(du, (t0 * H + i_h) * V, H * V, nt, i_v * BV, V, BT, BV)
         p_do = _ptrs(do, (t0 * H + i_h) * V, H * V, i_v * BV, BT, BV)
@@ -796,7 +795,10 @@ def _bwd_rows(q, k, ke, ve, beta, gc, tinv, dh, du, do, dke, dve, dqp, dkp, dbp,
         b_dr = _dot(b_Tt, b_du, F32, DT)
         b_G += _dot(b_dr, tl.trans(b_ve), F32, DT)
         b_dPl += _dot(b_do, tl.trans(b_ve), F32, DT)
-        b_kdh = _dot(kdec, b_dh, F32, DT)
+        # diag(e^{G_C - G}) Ke dh, the decay applied to the float32 product. The decayed keys
+        # rounded to bf16 in registers as the dot's operand gave wrong dve and dg at K = 256 with
+        # one row (H100, Triton 3.6: up to 27% of a chunk's norm; bench/results/kernel_sweep_before_*)
+        b_kdh = _dot(b_ke, b_dh, F32, DT) * e_end[:, None]
         b_xl += tl.sum(b_ve.to(tl.float32) * b_kdh, axis=1)
         b_dke += _dot(b_ve.to(tl.float32) * e_end[:, None], tl.trans(b_dh), F32, DT)
         b_dve = (_dot(tl.trans(b_Pl), b_do, F32, DT) + b_kdh
