@@ -42,7 +42,8 @@ longest runs first; each run has a time limit (--run_timeout). A run's folder
 (--runs/<model>_s<seed>/) holds its train.log (stdout and stderr), train.py's log.jsonl and
 run.json (exit code, wall time, whether it finished, the fingerprint of its command and data).
 A finished run with the same fingerprint is skipped, so the command can be repeated until all
-are done; an unfinished one starts again from scratch (no checkpoints are written: a 130M save is
+are done (the runs folder defaults to bench/results/realtext_seeds/, committed: each finished run's
+run.json, log.jsonl and train.log, no checkpoints); an unfinished one starts again from scratch (no checkpoints are written: a 130M save is
 1.75 GB). With --deadline_s (counted from the start, data preparation included), a run is started only
 if its estimated time (a finished run's measured time, else the speeds below) ends before the
 deadline, and runs still going at the deadline are stopped (and redone next time).
@@ -694,7 +695,8 @@ def main(argv=None):
     ap.add_argument("--deadline_s", type=float, default=0, help="start no run that would end after this many "
                     "seconds from the start, and stop the ones still going then (0 = none)")
     ap.add_argument("--runs", default=None,
-                    help="run folders (default out/realtext_seeds; out/realtext_seeds_tiny with --tiny)")
+                    help="run folders (default bench/results/realtext_seeds, where the finished runs' run.json and "
+                         "log.jsonl are kept so that a later call skips them; out/realtext_seeds_tiny with --tiny)")
     ap.add_argument("--results", default=None,
                     help="where the JSON and PNG go (default bench/results; the runs folder with --tiny)")
     ap.add_argument("--data", default=rel("data"), help="train.py's data_dir")
@@ -716,7 +718,7 @@ def main(argv=None):
         ap.error(f"--eval_interval {a.eval_interval} must divide half of --steps {a.steps}, "
                  "so that the half-way point is evaluated")
     a.run_timeout = a.run_timeout or (300 if a.tiny else 1800)
-    a.runs = os.path.abspath(a.runs or rel("out", "realtext_seeds_tiny" if a.tiny else "realtext_seeds"))
+    a.runs = os.path.abspath(a.runs or (rel("out", "realtext_seeds_tiny") if a.tiny else rel("bench", "results", "realtext_seeds")))
     a.results = os.path.abspath(a.results or (a.runs if a.tiny else rel("bench", "results")))
     a.data, a.pack, a.src = map(os.path.abspath, (a.data, a.pack, a.src))  # train.py runs in the repo root
     if len(set(a.seeds)) != len(a.seeds) or len(set(a.models)) != len(a.models):
