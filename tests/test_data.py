@@ -328,6 +328,14 @@ def test_hub_streaming_path(tmp_path, tok, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # robustness: interruption, malformed input, early errors
 
+def test_workers_import_without_torch():
+    """Spawned workers import this script (and through it tokenizer.py and fileio.py) from data/:
+    torch must not come with it (each worker would pay for importing it)."""
+    code = "import sys, prepare_slimpajama; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "data"), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_kill_worker_then_resume_gives_identical_bytes(tmp_path):
     pattern = write_format(tmp_path, "jsonl.zst", make_docs(300, seed=10))
     args = ["--data_files", pattern, "--tokens", 20000, "--val_tokens", 1500, "--batch_bytes", 1500,
