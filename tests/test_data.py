@@ -10,14 +10,11 @@ import sys
 import numpy as np
 import pytest
 
+import prepare_slimpajama as prep
+import tokenizer as tokmod
+from tokenizer import MISTRAL_SHA256, load_tokenizer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "data"))
-
-import prepare_slimpajama as prep  # noqa: E402
-import tokenizer as tokmod  # noqa: E402
-from tokenizer import MISTRAL_SHA256, load_tokenizer  # noqa: E402
-
 SCRIPT = os.path.join(ROOT, "data", "prepare_slimpajama.py")
 WORDS = ("the of and to in is was that for it with as his on be at by he this had not are but from or "
          "have an they which one you were her all she there would their we him been has when who will "

@@ -12,7 +12,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # script -> (its entry point, words its --help must contain)
 SCRIPTS = {

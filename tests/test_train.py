@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
+import settings
+import train
+from model import Model, ModelConfig
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import checkpoint  # noqa: E402
-import settings  # noqa: E402
-import train  # noqa: E402
-from model import Model, ModelConfig  # noqa: E402
 
 VOCAB = 64
 TINY = ["--vocab_size=64", "--n_layer=2", "--n_embd=32", "--n_head=2", "--head_dim=16",
