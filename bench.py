@@ -34,7 +34,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from checkpoint import atomic_write
+from fileio import atomic_write
 from model import PEAK_FLOPS, Model, ModelConfig, linear_cross_entropy, training_flops_per_token
 from settings import UserError, model_args_of, parse_config
 

@@ -1,13 +1,13 @@
 """
-Files that must survive a crash, and checkpoints: the one place that writes, verifies and reads them.
+Checkpoints: the one place that writes, verifies and reads them (written atomically through
+fileio.py: a crash leaves the old file or the new one).
 
-atomic_write(path, data)       temporary file in the same directory, fsync, rename over the target,
-                               fsync the directory: a crash leaves the old file or the new one
 save_checkpoint(out_dir, ...)  out_dir/ckpt_<iter>.pt with its sha256 in ckpt_<iter>.pt.sha256,
                                ckpt.pt -> the newest, older ones rotated away
 load_checkpoint(path)          the dict, checked against the sha256 beside it
 load_latest_checkpoint(dir)    the newest checkpoint that loads; the ones that do not are moved aside
 load_model(path)               an eval-mode Model from a checkpoint or an export_hf.py directory
+read_exported(path)            an export_hf.py directory as a checkpoint dict (what load_model reads)
 rng_state / set_rng_state      every random stream a training step draws from
 
 Sharded checkpoints (train.py --fsdp=True) are directories, written by every rank at once through
@@ -25,17 +25,21 @@ A checkpoint that fails verification is renamed to *.corrupt (its digest to *.sh
 never resumed from again and never counted as one of the kept checkpoints. Rotation deletes only
 checkpoints older than the newest verified one, so a good checkpoint is always left.
 
-torch is imported inside the functions that need it: data preparation's spawned workers import
-this module, and they must not pay for torch.
+torch is imported inside the functions that need it: listing, verifying and rotating checkpoints
+need only the standard library.
 """
+import dataclasses
 import glob
 import hashlib
 import io
+import json
 import os
 import random
 import re
 import shutil
 import sys
+
+from fileio import atomic_write, fsync_dir, sha256_file
 
 CKPT_RE = re.compile(r"ckpt_(\d+)\.pt$")
 SHARDED_RE = re.compile(r"ckpt_(\d+)$")  # a directory: a sharded checkpoint
@@ -57,57 +61,11 @@ def _stderr(msg):
 
 
 # -----------------------------------------------------------------------------------------------
-# atomic files
-
-def fsync_dir(d):
-    """Make a rename in directory d durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(d or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path, data):
-    """Write bytes (or str, as UTF-8) to path so that a crash leaves either the old file or the new
-    one. The temporary file sits beside the target (a rename across filesystems is not atomic)."""
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, or a second Ctrl-C mid-write: leave no temp file behind
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fsync_dir(d)
-
-
-# -----------------------------------------------------------------------------------------------
 # digests
 
 def digest_path(path):
     """Where the sha256 of a checkpoint lives (for ckpt.pt: beside the file it links to)."""
     return os.path.realpath(path) + ".sha256"
-
-
-def sha256_file(path, chunk=1 << 24):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify(path, full=True):
@@ -489,7 +447,6 @@ def load_model(path, device="cpu", backend=None, warn=_stderr):
     import torch
     from model import Model, ModelConfig
     if os.path.isdir(path) and not is_sharded(path):  # a transformers directory written by export_hf.py
-        from export_hf import read_exported
         ckpt = read_exported(path)
     else:
         ckpt = load_checkpoint(path, ("model", "model_args"), warn)
@@ -522,6 +479,72 @@ def load_model(path, device="cpu", backend=None, warn=_stderr):
     model.eval().to(device)
     meta = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
     return model, meta
+
+
+# = hf_modeling.MODEL_TYPE (that file imports transformers; this one need not)
+MODEL_TYPE = "prism_lm"
+
+
+def read_exported(path):
+    """An exported directory as a checkpoint dict ({"model": state dict in model.py's names,
+    "model_args", "data_meta"}), for load_model. Needs safetensors, not transformers. Raises
+    FileNotFoundError, or ValueError naming the file and saying why it is unusable."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from model import ModelConfig
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} not found: {path} is not a directory written by export_hf.py")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{cfg_path}: cannot be read as JSON ({e})")
+    if not isinstance(cfg, dict) or cfg.get("model_type") != MODEL_TYPE:
+        got = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
+        raise ValueError(f"{cfg_path}: model_type is {got!r}, expected {MODEL_TYPE!r} "
+                         "(a directory written by export_hf.py)")
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    args = {k: v for k, v in cfg.items() if k in names}
+    try:
+        args = dataclasses.asdict(ModelConfig.from_dict(args))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{cfg_path}: does not describe a model.py model: {e}")
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):  # sharded by save_pretrained(max_shard_size=...)
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        wpath = os.path.join(path, name)
+        if not os.path.isfile(wpath):
+            raise FileNotFoundError(f"{wpath} not found: the export in {path} is incomplete")
+        try:
+            shard = load_file(wpath)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{wpath}: cannot be read as safetensors ({e}); is the file corrupt or truncated?")
+        for k, v in shard.items():
+            if not k.startswith("model."):
+                raise ValueError(f"{wpath}: tensor {k!r} is not one of PrismForCausalLM's (model.*)")
+            state[k[len("model."):]] = v
+    if args["tie_embeddings"] and "lm_head.weight" not in state and "wte.weight" in state:
+        state["lm_head.weight"] = state["wte.weight"]  # stored once
+
+    tok_json = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tok_json):
+        with open(tok_json, encoding="utf-8") as f:
+            t = json.load(f)
+        ids = list(t.get("model", {}).get("vocab", {}).values()) + [a["id"] for a in t.get("added_tokens", [])]
+        if ids and max(ids) >= args["vocab_size"]:
+            raise ValueError(f"{tok_json}: token id {max(ids)} does not fit the model's vocab_size "
+                             f"{args['vocab_size']}")
+    prov = cfg.get("prism_export") or {}
+    data_meta = {k: prov[k] for k in ("tokenizer", "tokenizer_sha256", "vocab_size", "eos_id") if k in prov}
+    return {"model": state, "model_args": args, "data_meta": data_meta, "exported_from": prov}
 
 
 USAGE = """usage: python checkpoint.py consolidate SHARDED_DIR OUT_FILE

@@ -22,7 +22,8 @@ place: --out is the complete export or untouched.
 
 The other direction, for sample.py, eval/ and train.py --init_from:
     model, model_args = load_exported("hf/prism_130m")
-and checkpoint.load_model reads an exported directory wherever it reads a checkpoint file.
+and checkpoint.load_model reads an exported directory wherever it reads a checkpoint file (through
+checkpoint.read_exported, which lives beside it so that checkpoint.py needs nothing of this file).
 """
 import argparse
 import dataclasses
@@ -34,10 +35,9 @@ import tempfile
 
 import torch
 
-from checkpoint import fsync_dir, load_model
-from model import ModelConfig
+from checkpoint import MODEL_TYPE, load_model, read_exported  # noqa: F401  (read_exported: the way back)
+from fileio import fsync_dir
 
-MODEL_TYPE = "prism_lm"  # = hf_modeling.MODEL_TYPE (that file imports transformers; this one need not)
 SPACE = "\u2581"
 # texts the exported tokenizer must encode as tokenizer.py does before an export is published
 CHECK_TEXTS = [
@@ -304,64 +304,6 @@ def export(ckpt, out, tokenizer=None, dtype="float32", force=False):
 
 
 # ---------------------------------------------------------------------------------------- read back
-
-def read_exported(path):
-    """An exported directory as a checkpoint dict ({"model": state dict in model.py's names,
-    "model_args", "data_meta"}), for checkpoint.load_model. Needs safetensors, not transformers."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{cfg_path} not found: {path} is not a directory written by export_hf.py")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        _fail(cfg_path, f"cannot be read as JSON ({e})")
-    if not isinstance(cfg, dict) or cfg.get("model_type") != MODEL_TYPE:
-        got = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
-        _fail(cfg_path, f"model_type is {got!r}, expected {MODEL_TYPE!r} (a directory written by export_hf.py)")
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    args = {k: v for k, v in cfg.items() if k in names}
-    try:
-        args = dataclasses.asdict(ModelConfig.from_dict(args))
-    except (TypeError, ValueError) as e:
-        _fail(cfg_path, f"does not describe a model.py model: {e}")
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):  # sharded by save_pretrained(max_shard_size=...)
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    state = {}
-    for name in files:
-        wpath = os.path.join(path, name)
-        if not os.path.isfile(wpath):
-            raise FileNotFoundError(f"{wpath} not found: the export in {path} is incomplete")
-        try:
-            shard = load_file(wpath)
-        except (SafetensorError, OSError, ValueError) as e:
-            _fail(wpath, f"cannot be read as safetensors ({e}); is the file corrupt or truncated?")
-        for k, v in shard.items():
-            if not k.startswith("model."):
-                _fail(wpath, f"tensor {k!r} is not one of PrismForCausalLM's (model.*)")
-            state[k[len("model."):]] = v
-    if args["tie_embeddings"] and "lm_head.weight" not in state and "wte.weight" in state:
-        state["lm_head.weight"] = state["wte.weight"]  # stored once
-
-    tok_json = os.path.join(path, "tokenizer.json")
-    if os.path.isfile(tok_json):
-        with open(tok_json, encoding="utf-8") as f:
-            t = json.load(f)
-        ids = list(t.get("model", {}).get("vocab", {}).values()) + [a["id"] for a in t.get("added_tokens", [])]
-        if ids and max(ids) >= args["vocab_size"]:
-            _fail(tok_json, f"token id {max(ids)} does not fit the model's vocab_size {args['vocab_size']}")
-    prov = cfg.get("prism_export") or {}
-    data_meta = {k: prov[k] for k in ("tokenizer", "tokenizer_sha256", "vocab_size", "eos_id") if k in prov}
-    return {"model": state, "model_args": args, "data_meta": data_meta, "exported_from": prov}
-
 
 def exported_tokenizer(path):
     """The SentencePiece file an exported directory carries, or None (`path` is a checkpoint file)."""

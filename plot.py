@@ -13,8 +13,8 @@ import json
 import os
 import sys
 
-from checkpoint import atomic_write
 from cli import HelpFormatter
+from fileio import atomic_write
 
 
 def read_log(path):

@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 import numpy as np
 import sentencepiece as spm
 
-from checkpoint import sha256_file  # torch-free, like this file
+from fileio import sha256_file  # torch-free, like this file
 
 MISTRAL_REPO = "mistralai/Mistral-7B-v0.1"
 MISTRAL_SHA256 = "dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055"

@@ -26,7 +26,7 @@ from triton.testing import do_bench
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import prism_kernel  # noqa: E402
-from checkpoint import atomic_write  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 
 try:
     from fla.modules.causal_conv1d import causal_conv1d

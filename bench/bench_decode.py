@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from model import Model, ModelConfig, cuda_graph, sample_next  # noqa: E402
-from checkpoint import atomic_write  # noqa: E402
+from fileio import atomic_write, write_json  # noqa: E402
 from settings import model_args_of, parse_config  # noqa: E402
 
 MODELS = ("gdn", "prism", "hybrid", "transformer")
@@ -223,7 +223,7 @@ def main(argv=None):
         report = dict(env(), command="python bench/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                       rows=decode_gemms())
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        atomic_write(args.out, (json.dumps(report, indent=1) + "\n").encode())
+        write_json(args.out, report)
         return 0
     names = [m for m in args.models.split(",") if m]
     bad = [m for m in names if m not in MODELS]
@@ -248,13 +248,13 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
-            atomic_write(args.out, (json.dumps(report, indent=1) + "\n").encode())
+            write_json(args.out, report)
         del model
         torch.cuda.empty_cache()
     report["total_s"] = round(time.perf_counter() - t_start, 1)
     ok = [r for r in report["rows"] if "error" not in r]
     report["table"] = table(ok)
-    atomic_write(args.out, (json.dumps(report, indent=1) + "\n").encode())
+    write_json(args.out, report)
     if any(r["kind"] == "context" for r in ok):
         plot(ok, os.path.splitext(args.out)[0] + ".png", report["gpu"])
     print(report["table"])

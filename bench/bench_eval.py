@@ -34,8 +34,8 @@ import torch  # noqa: E402
 
 from eval.harness import PrismLM  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
-from checkpoint import atomic_write  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 from settings import model_args_of, parse_config  # noqa: E402
 
 BASE_TINY = dict(n_layer=2, n_embd=64, n_head=2, head_dim=16, expand_v=2.0, vocab_size=512,

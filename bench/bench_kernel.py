@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import prism_kernel  # noqa: E402
 from prism_kernel import chunk_prism  # noqa: E402
-from checkpoint import atomic_write  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule

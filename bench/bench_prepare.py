@@ -36,8 +36,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkpoint import atomic_write  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 from realtext_corpus import fortune_cookies  # noqa: E402
 SCRIPT = os.path.join(ROOT, "data", "prepare_slimpajama.py")
 

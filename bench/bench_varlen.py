@@ -23,8 +23,8 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import Model, ModelConfig  # noqa: E402
-from checkpoint import atomic_write  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 from settings import model_args_of, parse_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import prism_kernel  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 from prism_kernel import chunk_prism  # noqa: E402
 from test_kernel import NAMES, chunk_rel_errs, long_inputs, rel_err, segmented_reference  # noqa: E402
 
@@ -113,11 +114,8 @@ def main():
                 seed=a.seed, shape=dict(B=B, T=T, H=H, K=K, V=V, L=NE + 1, dtype="bfloat16"),
                 launches=launches, command=" ".join(["python", "bench/check_local_pair.py"] + sys.argv[1:]))
     out_dir = os.environ.get("RESULTS_DIR", os.path.join(ROOT, "bench", "results"))
-    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"local_pair_check_{a.seed}_K{K}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(dict(meta, res=res), f, indent=1)
-    os.replace(path + ".tmp", path)
+    atomic_write(path, json.dumps(dict(meta, res=res), indent=1))
     print("wrote", path)
 
 

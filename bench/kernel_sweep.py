@@ -57,6 +57,7 @@ def main():
     import torch
     import triton
     import test_kernel
+    from fileio import atomic_write
     if not torch.cuda.is_available():
         sys.exit("kernel_sweep.py: needs a CUDA GPU")
     cases = [int(c) for c in a.cases.split(",") if c] or test_kernel.SWEEP_CASES
@@ -91,10 +92,7 @@ def main():
                ratio_bound=test_kernel.ROUNDING_RATIO, f32_bounds=test_kernel.SWEEP_F32_TOL,
                worst_healthy_ratio=summary, passed=sum(r["ok"] for r in recs), cases=len(recs),
                seconds=round(time.time() - t0, 1), records=recs)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".tmp", "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(out + ".tmp", out)
+    atomic_write(out, json.dumps(doc, indent=1))
     print(f"{doc['passed']}/{len(recs)} cases within bounds in {doc['seconds']}s; worst ratio over the "
           f"rounding floor of the passing cases (whole, per chunk):")
     for dt, per in summary.items():

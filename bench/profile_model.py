@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import FLA, SUITE, checkpointing, fla_peer, peer_params, suite_config  # noqa: E402
-from checkpoint import atomic_write  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 from model import PEAK_FLOPS, Model, training_flops_per_token  # noqa: E402
 
 CATEGORIES = ["matmuls", "recurrence kernels", "conv", "attention", "norms", "loss", "optimizer",

@@ -118,6 +118,7 @@ fi
 
 $PY - "$RESULTS_DIR/realtext_summary.json" "$RUNS" "$DATA_DIR/$DATASET" "$ITERS" "$STEP_TOKENS" "$TINY" "${WALL[@]}" <<'EOF'
 import json, math, os, re, statistics, subprocess, sys, time
+from fileio import atomic_write  # stdin's script: the current directory (the repo root) is on sys.path
 out, runs, data, iters, step_tokens, tiny, *walls = sys.argv[1:]
 iters, step_tokens = int(iters), int(step_tokens)
 log_text = open(os.path.join(os.path.dirname(out), "realtext_train.log"), errors="replace").read()
@@ -179,9 +180,7 @@ summary = {
     "val_ppl_at_compare": {n: round(math.exp(vals[n][last]), 3) for n in vals} if last is not None else {},
     "models": models,
 }
-with open(out + ".tmp", "w") as f:
-    json.dump(summary, f, indent=1)
-os.replace(out + ".tmp", out)
+atomic_write(out, json.dumps(summary, indent=1))
 print(f"at iter {last} ({summary['compare_at_tokens']} tokens): "
       + ", ".join(f"{n} val {v} (ppl {summary['val_ppl_at_compare'][n]})" for n, v in summary["val_loss_at_compare"].items()))
 for n, m in models.items():

@@ -64,8 +64,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from checkpoint import atomic_write, sha256_file  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
+from fileio import atomic_write, sha256_file, write_json  # noqa: E402
 
 MAN_PACKAGES = ["manpages", "manpages-dev", "perl-doc", "git-man", "libssl-doc"]
 INFO_PACKAGES = ["bash-doc", "coreutils", "debian-policy", "developers-reference", "diffutils",
@@ -540,7 +540,7 @@ def update_record(path, updates):
         with open(path) as f:
             rec = json.load(f)
     rec.update(updates)
-    atomic_write(path, json.dumps(rec, indent=1) + "\n")
+    write_json(path, rec)
 
 
 def prepared_record(d):

@@ -65,6 +65,7 @@ transformer), 4 GPUs ~15 minutes, 2 GPUs ~30 minutes.
 import argparse
 import glob
 import hashlib
+import io
 import json
 import lzma
 import math
@@ -80,7 +81,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from checkpoint import sha256_file  # noqa: E402
+from fileio import atomic_write, sha256_file, write_json  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 
 MODELS = ["gdn", "prism", "hybrid", "transformer"]
@@ -112,16 +113,6 @@ def _interrupt(signum, frame):
 
 def die(msg):
     sys.exit(f"realtext_seeds.py: error: {msg}")
-
-
-def write_json(path, obj):
-    """Atomically: a reader never sees half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def read_json(path, default=None):
@@ -163,9 +154,7 @@ def pack(a):
         with open(src, "rb") as f:
             raw = zstandard.ZstdDecompressor().stream_reader(f).read()
         path = os.path.join(a.pack, name)
-        with open(path + ".tmp", "wb") as f:
-            f.write(lzma.compress(raw, preset=9))
-        os.replace(path + ".tmp", path)
+        atomic_write(path, lzma.compress(raw, preset=9))
         files[name] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path), "text_bytes": len(raw)}
         print(f"{name}: {len(raw) / 1e6:.1f} MB of JSONL -> {files[name]['bytes'] / 1e6:.1f} MB", flush=True)
     tok = load_tokenizer()
@@ -665,10 +654,10 @@ def plot(res, path, title):
     bx.grid(alpha=0.3)
     bx.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
+    atomic_write(path, buf.getvalue())
 
 
 # -----------------------------------------------------------------------------------------------

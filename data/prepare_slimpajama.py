@@ -73,8 +73,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from checkpoint import atomic_write  # noqa: E402  (torch-free: the spawned workers import this file)
 from cli import HelpFormatter  # noqa: E402
+from fileio import atomic_write  # noqa: E402  (torch-free: the spawned workers import this file)
 from tokenizer import Tokenizer, load_tokenizer, _hub_reachable as hub_reachable  # noqa: E402
 
 SLIMPAJAMA = "cerebras/SlimPajama-627B"

@@ -19,8 +19,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from checkpoint import atomic_write  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 
 # (header, lm-eval task, lm-eval metric key, is_accuracy)
 COLUMNS = [

@@ -54,8 +54,8 @@ from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from eval.compare import results_table  # noqa: E402
-from checkpoint import atomic_write  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 
 DEFAULT_TASKS = ["wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy",
                  "arc_challenge", "boolq", "openbookqa", "sciq"]
@@ -366,11 +366,6 @@ class DatasetsUnreachable(Exception):
         super().__init__("\n".join(lines))
 
 
-def _atomic_write(path, text):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write(path, text.encode("utf-8"))
-
-
 def _parse_limit(s):
     if s is None:
         return None
@@ -449,8 +444,8 @@ def score(args, tasks):
     if args.log_samples:
         record["samples"] = out.get("samples")
     path = args.output or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
-    _atomic_write(path, json.dumps(record, indent=2, default=lm_utils.handle_non_serializable))
-    _atomic_write(os.path.splitext(path)[0] + ".md", table)
+    atomic_write(path, json.dumps(record, indent=2, default=lm_utils.handle_non_serializable))
+    atomic_write(os.path.splitext(path)[0] + ".md", table)
     print(lm_utils.make_table(out))
     print(table)
     print(f"wrote {path} ({elapsed:.0f} s, {lm.tokens_scored / max(elapsed, 1e-9):,.0f} scored tok/s)")

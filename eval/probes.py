@@ -105,8 +105,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from model import Model, ModelConfig, ShortConv  # noqa: E402
-from checkpoint import atomic_write  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # token layout

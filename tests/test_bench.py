@@ -18,7 +18,6 @@ def test_bench_single_config_reports_a_measurement():
 
 
 def test_suite_rows_are_the_config_files():
-    sys.path.insert(0, ROOT)
     import bench
     cfgs = {name: bench.suite_config(path, over) for name, path, over, _ in bench.SUITE}
     assert cfgs["transformer"].mixer == "attention"
@@ -69,7 +68,6 @@ def test_loss_mode_rows_are_measured_and_exact(tmp_path):
 
 
 def test_table_compares_with_the_fastest_peer_row():
-    sys.path.insert(0, ROOT)
     import bench
     rows = [dict(model="gdn", backend="triton", compile=True, ckpt=False, T=2048, B=16, step_ms=1,
                  ktok_s=300.0, mfu=0.3, peak_GiB=10.0),
@@ -85,7 +83,6 @@ def test_table_compares_with_the_fastest_peer_row():
 
 
 def test_kernel_categories():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     from profile_model import category
     assert category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", []) == "matmuls"
     assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", ["linear_cross_entropy"]) == "matmuls"

@@ -10,14 +10,11 @@ import sys
 import numpy as np
 import pytest
 
+import prepare_slimpajama as prep
+import tokenizer as tokmod
+from tokenizer import MISTRAL_SHA256, load_tokenizer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "data"))
-
-import prepare_slimpajama as prep  # noqa: E402
-import tokenizer as tokmod  # noqa: E402
-from tokenizer import MISTRAL_SHA256, load_tokenizer  # noqa: E402
-
 SCRIPT = os.path.join(ROOT, "data", "prepare_slimpajama.py")
 WORDS = ("the of and to in is was that for it with as his on be at by he this had not are but from or "
          "have an they which one you were her all she there would their we him been has when who will "
@@ -327,6 +324,14 @@ def test_hub_streaming_path(tmp_path, tok, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------
 # robustness: interruption, malformed input, early errors
+
+def test_workers_import_without_torch():
+    """Spawned workers import this script (and through it tokenizer.py and fileio.py) from data/:
+    torch must not come with it (each worker would pay for importing it)."""
+    code = "import sys, prepare_slimpajama; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "data"), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
 
 def test_kill_worker_then_resume_gives_identical_bytes(tmp_path):
     pattern = write_format(tmp_path, "jsonl.zst", make_docs(300, seed=10))

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
+import train
+from test_train import TINY, make_dataset, read_log
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import checkpoint  # noqa: E402
-import train  # noqa: E402
-from test_train import TINY, make_dataset, read_log  # noqa: E402
 
 
 def torchrun(argv, nproc=2):

@@ -15,15 +15,13 @@ stepwise tests again through a captured CUDA graph and through generate().
 """
 import math
 import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import model as model_py  # noqa: E402
-from model import (Cache, GatedDeltaNet, Model, ModelConfig, PRISM, ShortConv, cuda_graph,  # noqa: E402
+import model as model_py
+from model import (Cache, GatedDeltaNet, Model, ModelConfig, PRISM, ShortConv, cuda_graph,
                    delta_rule_naive, segments_of)
 
 TOL = 1e-4

@@ -31,7 +31,6 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402

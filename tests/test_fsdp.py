@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
+from test_ddp import torchrun
+from test_train import TINY, make_dataset, read_log
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import checkpoint  # noqa: E402
-from test_ddp import torchrun  # noqa: E402
-from test_train import TINY, make_dataset, read_log  # noqa: E402
 
 TOL = 1e-4
 

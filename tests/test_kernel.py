@@ -31,7 +31,6 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prism_kernel  # noqa: E402
 from prism_kernel import chunk_prism, recurrent_prism_step  # noqa: E402
 from model import delta_rule_naive, delta_rule_chunk  # noqa: E402

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from test_train import TINY, make_dataset, read_log
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import TINY, make_dataset, read_log  # noqa: E402
 
 
 def free_port():

@@ -1,6 +1,7 @@
 """The repo as a new user meets it: --help on every script shows its defaults and says when it
 needs a GPU; README's install and test commands are the ones CI runs; every file and link the
-docs name exists in a clone; the test suite has one thread-limiting fixture."""
+docs name exists in a clone; the test suite has one thread-limiting fixture; no module imports
+itself back through others."""
 import argparse
 import ast
 import importlib.util
@@ -11,7 +12,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # script -> (its entry point, words its --help must contain)
 SCRIPTS = {
@@ -150,3 +150,100 @@ def test_ci_runs_readme_install_and_test_commands():
     assert f"torch=={torch_pin}" in install
     assert re.search(r"^triton==3\.7\.1\b", req, re.M)  # the Triton CUDA torch 2.13 pins
     assert demo.startswith("python ")
+
+
+# the repo's own modules, and the folders of scripts that import their neighbours by bare name
+# (the script's folder is sys.path[0] when it runs). tests/ imports everything: not part of the graph.
+SCRIPT_DIRS = ["bench", "data"]
+
+
+def _repo_files():
+    """Every .py file of the graph: the top level, its packages (folders with an __init__.py: eval/,
+    and any other), and the scripts of SCRIPT_DIRS."""
+    files = []
+    for name in sorted(os.listdir(ROOT)):
+        path = os.path.join(ROOT, name)
+        if name.endswith(".py"):
+            files.append(name)
+        elif os.path.isdir(path) and (name in SCRIPT_DIRS or os.path.isfile(os.path.join(path, "__init__.py"))):
+            for dirpath, dirnames, fs in os.walk(path):
+                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+                files += [os.path.relpath(os.path.join(dirpath, f), ROOT) for f in sorted(fs) if f.endswith(".py")]
+    return files
+
+
+def _resolve(dotted, bases):
+    """The repo file that `import <dotted>` loads, looked up from each base folder in turn, or None
+    (a package outside the repo). For a.b.c: a/b/c.py, a/b/c/__init__.py, then a/b.py and so on:
+    `from a.b import c` names a submodule or something that a/b.py defines."""
+    parts = dotted.split(".")
+    for base in bases:
+        for k in range(len(parts), 0, -1):
+            stem = os.path.join(base, *parts[:k])
+            for path in (stem + ".py", os.path.join(stem, "__init__.py")):
+                if os.path.isfile(path):
+                    return os.path.relpath(path, ROOT)
+    return None
+
+
+def import_graph():
+    """{file: {imported file: line}} over _repo_files(), from every import statement anywhere in a
+    file: at the top, inside functions (lazy imports), under try/if."""
+    graph = {}
+    for f in _repo_files():
+        here = os.path.dirname(os.path.join(ROOT, f))
+        bases = [ROOT] + ([here] if here != ROOT else [])
+        edges = graph.setdefault(f, {})
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, f)).read(), f)):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, bases) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                where = bases
+                if node.level:  # from . import x / from ..pkg import y: relative to this file's package
+                    up = here
+                    for _ in range(node.level - 1):
+                        up = os.path.dirname(up)
+                    where = [up]
+                mod = node.module or ""
+                targets = [(f"{mod}.{a.name}" if mod else a.name, where) for a in node.names]
+            else:
+                continue
+            for dotted, where in targets:
+                target = _resolve(dotted, where)
+                if target and target != f:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def import_cycles(graph):
+    """Each cycle a depth-first walk meets, as [a, b, ..., a]."""
+    cycles, state, stack = [], {}, []  # state: 1 on the stack, 2 done
+
+    def walk(f):
+        state[f] = 1
+        stack.append(f)
+        for g in sorted(graph.get(f, ())):
+            if state.get(g) == 1:
+                cycles.append(stack[stack.index(g):] + [g])
+            elif g not in state:
+                walk(g)
+        stack.pop()
+        state[f] = 2
+
+    for f in sorted(graph):
+        if f not in state:
+            walk(f)
+    return cycles
+
+
+def test_no_import_cycles():
+    """No module imports one that imports it back, directly or through others, lazy imports
+    included: a cycle makes what a module can use at import time depend on which one came first."""
+    graph = import_graph()
+    assert {"checkpoint.py", "eval/harness.py", "data/prepare_slimpajama.py", "bench/bench_prepare.py"} <= set(graph)
+    assert {"bench/realtext_corpus.py", "tokenizer.py"} <= set(graph["bench/bench_prepare.py"])  # a neighbour
+    assert "tokenizer.py" in graph["export_hf.py"]  # imported inside export()
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(
+        "  " + " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:])) + f" -> {c[-1]}"
+        for c in cycles)
