@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 import checkpoint  # noqa: E402
 import settings  # noqa: E402
 import train  # noqa: E402
+import train_aids  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 
 VOCAB = 64
@@ -578,7 +579,7 @@ def test_gpu_sized_config_on_cpu_warns_before_the_first_step(data, tmp_path, cap
     env = train.Env(ddp=False, rank=0, world=1, device=torch.device("cpu"), dtype="float32")
     with torch.device("meta"):
         big = Model(ModelConfig(**settings.model_args_of(cfg)))
-    train.check_cpu_speed(big, cfg, env)
+    train_aids.check_cpu_speed(big, cfg, env)
     text = capsys.readouterr().out
     assert "warning: this config is sized for a GPU" in text and "524,288 tokens" in text
     assert "python train.py config/tiny_cpu.py" in text
@@ -586,14 +587,14 @@ def test_gpu_sized_config_on_cpu_warns_before_the_first_step(data, tmp_path, cap
     assert run(args(data, tmp_path / "a", "--max_iters=1")) == 0
     assert "sized for a GPU" not in capsys.readouterr().out
     # ... but on a CPU a million times slower, a warning before the first step
-    monkeypatch.setattr(train, "cpu_flops", lambda: 1e5)
+    monkeypatch.setattr(train_aids, "cpu_flops", lambda: 1e5)
     assert run(args(data, tmp_path / "b", "--max_iters=1")) == 0
     text = capsys.readouterr().out
     assert "sized for a GPU" in text and text.index("sized for a GPU") < text.index("iter 1: loss")
 
 
 def test_token_counts_and_no_mfu_on_cpu(data, tmp_path, capsys):
-    assert [train.fmt_tokens(n) for n in (2560, 12_345_678, 999_999_999, 2_000_000_000)] == [
+    assert [train_aids.fmt_tokens(n) for n in (2560, 12_345_678, 999_999_999, 2_000_000_000)] == [
         "2,560", "12.3M", "1.00B", "2.00B"]
     assert run(args(data, tmp_path / "o", "--max_iters=10", "--eval_interval=10")) == 0
     text = capsys.readouterr().out
@@ -630,8 +631,8 @@ def test_oom_suggestion_halves_until_it_fits():
         tried.append(b)
         return b <= 5
 
-    assert train.suggest_micro_batch(16, fits) == 4 and tried == [8, 4]
-    assert train.suggest_micro_batch(4, lambda b: False) is None
+    assert train_aids.suggest_micro_batch(16, fits) == 4 and tried == [8, 4]
+    assert train_aids.suggest_micro_batch(4, lambda b: False) is None
 
 
 def test_plot_writes_png(reference, tmp_path):
