@@ -342,6 +342,7 @@ def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested
     fused AdamW's found_inf leaves weights, moments and step count as they were. The same
     all-reduce tells every rank whether any of them was asked to stop.
     Advances `prog`'s position; returns the step's StepResult, which the host reads later."""
+    began = StepResult.clock(env.device)
     B, T = cfg["batch_size"], cfg["block_size"]
     accum = cfg["gradient_accumulation_steps"] // env.world
     lr = get_lr(prog.iter_num, cfg)
@@ -370,31 +371,46 @@ def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested
     prog.iter_num += 1
     prog.data_pos += B * cfg["gradient_accumulation_steps"]
     return StepResult(prog.iter_num, prog.data_pos, lr,
-                      torch.stack([flags[0] / env.world, grad_norm.float(), flags[1], flags[2]]))
+                      torch.stack([flags[0] / env.world, grad_norm.float(), flags[1], flags[2]]), began)
 
 
 class StepResult:
     """One queued step's loss, grad norm, skipped? and stop? on their way to the host: copied into
     pinned memory behind the step's kernels and read (`read()`) once the next step is queued, so
     the GPU never waits for the host at a step boundary (with a sync per step it idles while the
-    host queues the next step's first kernels)."""
+    host queues the next step's first kernels). With them comes the step's own time, from its
+    start to its end where it ran: tokens/s is the step's, whatever the host did between steps."""
 
-    def __init__(self, iter_num, data_pos, lr, stats):
-        self.iter_num, self.data_pos, self.lr, self.done = iter_num, data_pos, lr, None
+    @staticmethod
+    def clock(device):
+        """A step's start: a CUDA event in the stream (it fires once the work before it is done),
+        elsewhere the host's clock."""
+        if device.type != "cuda":
+            return time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def __init__(self, iter_num, data_pos, lr, stats, began):
+        self.iter_num, self.data_pos, self.lr, self.began, self.done = iter_num, data_pos, lr, began, None
         if stats.is_cuda:
             self.stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
             self.stats.copy_(stats, non_blocking=True)
-            self.done = torch.cuda.Event()
+            self.done = torch.cuda.Event(enable_timing=True)
             self.done.record()
-        else:
-            self.stats = stats
+        else:  # on the CPU the step has run by now (tolist waits for any other device)
+            self.stats = stats.tolist()
+            self.seconds = time.perf_counter() - began
 
     def read(self):
-        """(loss, grad norm, skipped, stop requested on some rank); waits for this step alone."""
+        """(loss, grad norm, skipped, stop requested on some rank, the step's seconds); waits for
+        this step alone."""
+        stats = self.stats
         if self.done is not None:
             self.done.synchronize()
-        loss, grad_norm, bad, stop = self.stats.tolist()
-        return loss, grad_norm, bad > 0, stop > 0
+            stats, self.seconds = stats.tolist(), self.began.elapsed_time(self.done) / 1e3
+        loss, grad_norm, bad, stop = stats
+        return loss, grad_norm, bad > 0, stop > 0, self.seconds
 
 
 # -----------------------------------------------------------------------------------------------
@@ -468,16 +484,13 @@ def train(cfg):
     runlog = RunLog(cfg, env, resumed_at)
     stop = StopSignals(announce=env.master)
     T = cfg["block_size"]
-    t_start, last_eval, oom = time.time(), resumed_at, False
-    t_mark, dt_avg = time.time(), None
+    t_start, last_eval, oom, dt_avg = time.time(), resumed_at, False, None
 
     def settle(res, force_log=False):
         """Take in a queued step's outcome: count a skipped step (aborting after max_bad_steps in a
         row), log it, and say whether some rank asked to stop."""
-        nonlocal t_mark, dt_avg
-        loss, grad_norm, bad, stopping = res.read()
-        now = time.time()
-        dt, t_mark = now - t_mark, now   # read to read: the step's time once steps queue back to back
+        nonlocal dt_avg
+        loss, grad_norm, bad, stopping, dt = res.read()
         dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
         if bad:
             prog.skipped += 1
@@ -514,7 +527,6 @@ def train(cfg):
                 prog.best_val_loss = min(prog.best_val_loss, val)
                 if prog.iter_num > 0 and (improved or cfg["always_save_checkpoint"] or final):
                     env.log(f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}")
-                t_mark = time.time()
             if final:
                 break
             queued = train_step(model, raw_model, optimizer, data, cfg, env, prog, stop.requested)

@@ -83,6 +83,7 @@ class RunLog:
 
 
 def log_step(runlog, env, raw_model, cfg, prog, res, loss, grad_norm, dt, dt_avg):
+    """The step's line and record: tokens/s and MFU from dt, the step's own time (StepResult)."""
     T = cfg["block_size"]
     tokens_per_iter = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * T
     # MFU against a GPU's peak means nothing on a CPU

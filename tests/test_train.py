@@ -604,6 +604,26 @@ def test_token_counts_and_no_mfu_on_cpu(data, tmp_path, capsys):
     assert all("mfu" not in r for r in read_log(tmp_path / "o")[1])
 
 
+def test_tokens_per_second_is_the_steps_own(data, tmp_path, capsys, monkeypatch):
+    """Every log line's tok/s and dt are its step's, also on the iterations that evaluate and save
+    (there the step is read with no step queued behind it) and on the step after them: never
+    faster than the step's slowed micro-steps allow, never slowed by the evaluation or the save."""
+    real_fwd, real_eval, real_save = train.forward_loss, train.evaluate, train.save
+    monkeypatch.setattr(train, "forward_loss", lambda *a: (time.sleep(0.15), real_fwd(*a))[1])
+    monkeypatch.setattr(train, "evaluate", lambda *a: (time.sleep(0.6), real_eval(*a))[1])
+    monkeypatch.setattr(train, "save", lambda *a: (time.sleep(0.6), real_save(*a))[1])
+    out = tmp_path / "rate"
+    assert run(args(data, out, "--max_iters=7", "--eval_interval=3")) == 0
+    printed = {int(m[1]): float(m[2].replace(",", "")) for m in
+               re.finditer(r"^iter (\d+): loss [^,]+, lr [^,]+, ([\d,]+) tok/s", capsys.readouterr().out, re.M)}
+    steps, _ = read_log(out)
+    assert sorted(steps) == sorted(printed) == list(range(1, 8))
+    for i, r in steps.items():
+        assert 0.3 <= r["dt"] < 0.6, (i, r["dt"])  # 2 micro-steps of 0.15 s; an eval or a save is 0.6 s
+        assert r["tok_s"] == pytest.approx(4 * 2 * 32 / r["dt"])
+        assert printed[i] == pytest.approx(r["tok_s"], abs=1)
+
+
 def test_demo_config_prepares_its_own_data(tmp_path):
     """python train.py config/tiny_cpu.py on a machine with nothing prepared: the data is built
     from pydoc_data under data_dir/pydoc, nothing lands in the repo root, a second run reuses it."""
