@@ -482,7 +482,7 @@ def train(cfg):
     resumed_at = prog.iter_num if cfg["init_from"] == "resume" else None
     model = wrap_model(raw_model, cfg, env)
     runlog = RunLog(cfg, env, resumed_at)
-    stop = StopSignals(announce=env.master)
+    stop = StopSignals(announce=env.master, under_torchrun="TORCHELASTIC_RUN_ID" in os.environ)
     T = cfg["block_size"]
     t_start, last_eval, oom, dt_avg = time.time(), resumed_at, False, None
 

@@ -239,13 +239,15 @@ class StopNow(BaseException):
 class StopSignals:
     """SIGTERM / SIGINT. The first asks for a checkpoint after the current step (the loop reads
     `requested` once a step; under DDP the ranks agree through the next step's flags, one step
-    later) and says so at once; a second stops at once
-    without saving. A repeat within REPEAT_S seconds is the same request delivered twice
-    (launchers such as torchrun and SLURM signal the workers as well as themselves): ignored."""
-    REPEAT_S = 1.0
+    later) and says so at once; a second, of either kind, stops at once without saving.
+    Under torchrun alone, a repeat within ECHO_S seconds is the first one again: its agent passes
+    every signal it gets on to the workers, so a job scheduler (SLURM) that signals the whole job
+    reaches each worker twice, directly and through the agent."""
+    ECHO_S = 1.0
 
-    def __init__(self, announce):
+    def __init__(self, announce, under_torchrun=False):
         self.name, self.at, self.announce, self.old = None, 0.0, announce, {}
+        self.echo_s = self.ECHO_S if under_torchrun else 0.0
 
     @property
     def requested(self):
@@ -264,8 +266,8 @@ class StopSignals:
             self.name, self.at = name, time.monotonic()
             if self.announce:  # os.write: print() from a signal handler can hit a half-done write
                 os.write(2, f"\nreceived {name}: will save a checkpoint after the current step, then exit; "
-                            f"send it again to stop at once without saving\n".encode())
-        elif time.monotonic() - self.at > self.REPEAT_S:
+                            f"a second SIGINT or SIGTERM stops at once without saving\n".encode())
+        elif time.monotonic() - self.at >= self.echo_s:
             raise StopNow(signum)
 
 

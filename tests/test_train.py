@@ -302,7 +302,7 @@ def test_sigterm_saves_and_exits_zero(data, tmp_path):
     assert sorted(read_log(out)[0]) == list(range(1, stopped + 3))
 
 
-def spawn_slow(argv, seconds):
+def spawn_slow(argv, seconds, env=()):
     """train.py in a subprocess whose every micro-step takes `seconds` longer (a hook the test
     injects by wrapping train.forward_loss), so that signals land mid-step."""
     code = ("import sys, time, train\n"
@@ -310,7 +310,8 @@ def spawn_slow(argv, seconds):
             f"train.forward_loss = lambda *a: (time.sleep({seconds}), real(*a))[1]\n"
             "sys.exit(train.main(sys.argv[1:]))\n")
     return subprocess.Popen([sys.executable, "-u", "-c", code, *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **dict(env)})
 
 
 def read_until(proc, text, timeout=120):
@@ -325,27 +326,45 @@ def read_until(proc, text, timeout=120):
     raise AssertionError(f"never printed {text!r}:\n{''.join(seen)}")
 
 
-def test_second_signal_stops_at_once_without_saving(data, tmp_path):
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)])
+def test_second_signal_stops_at_once_without_saving(data, tmp_path, first, second):
+    """Any second stop signal, however soon after the first (the first is already acted on)."""
     out = tmp_path / "term2"
     proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=3)
     read_until(proc, "global batch")
     time.sleep(0.5)  # inside the first step (6 s long)
     t0 = time.time()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(first)
     read_until(proc, "will save a checkpoint after the current step")
-    time.sleep(1.5)  # a deliberate second signal, not the launcher's echo of the first
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(second)
     text, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, text
-    assert "stopped at once by a second SIGTERM; nothing saved since the last checkpoint" in text
+    assert proc.returncode == 128 + second, text
+    assert f"stopped at once by a second {second.name}; nothing saved since the last checkpoint" in text
     assert time.time() - t0 < 5.5  # did not wait for the step to end
     assert not list(out.glob("ckpt*"))
 
 
-def test_repeated_signal_within_a_second_is_one_request(data, tmp_path):
-    """torchrun and SLURM signal the workers as well as themselves: one stop arrives twice."""
+def test_two_signals_at_once_stop_at_once(data, tmp_path):
+    """Two stop signals sent back to back are two requests: the second stops the run at once."""
     out = tmp_path / "term3"
-    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=1)
+    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=3)
+    read_until(proc, "global batch")
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    # either may be handled first: the other one stops the run
+    assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), text
+    assert re.search(r"stopped at once by a second SIG(INT|TERM)", text), text
+    assert time.time() - t0 < 5.5 and not list(out.glob("ckpt*"))
+
+
+def test_under_torchrun_a_repeat_within_a_second_is_one_request(data, tmp_path):
+    """torchrun's agent passes each signal it gets on to its workers, and SLURM signals both: under
+    torchrun one stop can arrive twice, and must still save."""
+    out = tmp_path / "term4"
+    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=1,
+                      env={"TORCHELASTIC_RUN_ID": "test"})
     read_until(proc, "global batch")
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGTERM)
