@@ -159,19 +159,24 @@ def prepare_demo_data(d):
 
 
 def check_data(paths, meta_path, cfg, model_args, log):
-    """Refuse data a run cannot use, before the first step: missing or too short bins, a vocab
-    that differs from the model's, token ids beyond it. Returns meta.json's contents ({} without)."""
+    """Refuse data a run cannot use, before the first step, saying which file, what is wrong and
+    what to do: missing, odd-sized or too short bins, a meta.json that does not describe them, a
+    vocab that differs from the model's, token ids beyond it. Returns meta.json ({} without one)."""
+    again = f"Prepare the data again:\n  {prepare_hint(cfg['data_dir'], cfg['dataset'])}"
     for split, p in paths.items():
         if not os.path.isfile(p):
             raise UserError(f"{split} data not found: {p}\nPrepare it with:\n  "
                             f"{prepare_hint(cfg['data_dir'], cfg['dataset'])}")
-        n = os.path.getsize(p) // 2
-        if n < cfg["block_size"] + 1:
-            raise UserError(f"{p} holds {n} tokens, fewer than block_size+1 = {cfg['block_size'] + 1}")
+        size = os.path.getsize(p)
+        if size % 2:
+            raise UserError(f"{p} is {size:,} bytes, not a whole number of 2-byte (uint16) tokens: cut "
+                            f"short, or not written by data/prepare_slimpajama.py. {again}")
+        if size // 2 < cfg["block_size"] + 1:
+            raise UserError(f"{p} holds {size // 2} tokens, fewer than block_size+1 = {cfg['block_size'] + 1}; "
+                            f"lower --block_size or prepare more data")
     meta = {}
     if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = read_meta(meta_path, paths, again)
     else:
         log(f"warning: {meta_path} missing; cannot check the tokenizer/vocab of the data")
     check_data_meta(meta, model_args)
@@ -179,7 +184,36 @@ def check_data(paths, meta_path, cfg, model_args, log):
         data = np.memmap(paths[split], dtype=np.uint16, mode="r")
         top = max(int(data[i:i + 2**26].max()) for i in range(0, len(data), 2**26))
         if top >= model_args["vocab_size"]:
-            raise UserError(f"{paths[split]} holds token id {top} >= vocab_size {model_args['vocab_size']}")
+            raise UserError(f"{paths[split]} holds token id {top} >= vocab_size {model_args['vocab_size']}: "
+                            f"data from another tokenizer? Prepare it with the model's, or set --vocab_size")
+    return meta
+
+
+def read_meta(path, paths, again):
+    """meta.json as data/prepare_slimpajama.py writes it, checked against the bins beside it."""
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise UserError(f"{path} is not valid JSON ({e}). {again}")
+    if not isinstance(meta, dict):
+        raise UserError(f"{path} holds a JSON {type(meta).__name__}, not the object of keys that "
+                        f"data/prepare_slimpajama.py writes. {again}")
+    problems = [f"'{k}' is missing" for k in ("vocab_size",) if k not in meta]
+    problems += [f"'{k}' is {meta[k]!r}, not a whole number" for k in ("vocab_size", "eos_id", "train_tokens",
+                 "val_tokens") if k in meta and (not isinstance(meta[k], int) or isinstance(meta[k], bool))]
+    if meta.get("dtype", "uint16") != "uint16":
+        problems.append(f"'dtype' is {meta['dtype']!r}; train.py reads uint16 token ids")
+    if not problems:
+        for split, p in paths.items():
+            n, said = os.path.getsize(p) // 2, meta.get(f"{split}_tokens")
+            if said is not None and said != n:
+                problems.append(f"'{split}_tokens' is {said:,}, but {p} holds {n:,} tokens "
+                                f"(files from different preparations, or one cut short)")
+        if meta.get("eos_id") is not None and not 0 <= meta["eos_id"] < meta["vocab_size"]:
+            problems.append(f"'eos_id' {meta['eos_id']} is outside the vocab (vocab_size {meta['vocab_size']})")
+    if problems:
+        raise UserError(f"{path} does not describe this data:\n  " + "\n  ".join(problems) + f"\n{again}")
     return meta
 
 
@@ -194,7 +228,9 @@ def check_data_meta(meta, model_args, ckpt_meta=None):
             problems.append(f"{key}: meta.json has {meta[key]!r}, "
                             f"the checkpoint was trained on {ckpt_meta[key]!r}")
     if problems:
-        raise UserError("the data does not match the model:\n  " + "\n  ".join(problems))
+        todo = ("Use the data the checkpoint was trained on, or a new out_dir" if ckpt_meta else
+                f"Set --vocab_size={meta['vocab_size']} (the data's), or prepare the data with the model's tokenizer")
+        raise UserError("the data does not match the model:\n  " + "\n  ".join(problems) + f"\n{todo}")
 
 
 def data_eos_id(meta, model_args):

@@ -222,11 +222,58 @@ def test_missing_data_prints_prepare_command(tmp_path, capsys):
 def test_vocab_mismatch_refused(data, tmp_path, capsys):
     assert run(args(data, tmp_path / "o", "--vocab_size=128", "--max_iters=1")) == 2
     err = capsys.readouterr().err
-    assert "vocab_size: meta.json has 64, the model has 128" in err
+    assert "vocab_size: meta.json has 64, the model has 128" in err and "--vocab_size=64" in err
     # no meta.json: token ids beyond the vocab are still caught
     d = make_dataset(tmp_path / "nometa", meta=False)
     assert run(args(d, tmp_path / "o2", "--vocab_size=32", "--max_iters=1")) == 2
     assert "token id" in capsys.readouterr().err
+
+
+BAD_DATA = {  # what is wrong -> (the file it is in, how to break a good dataset, what the error says)
+    "odd-sized bin": ("train.bin", lambda d: open(d / "train.bin", "ab").write(b"\0"),
+                      "is 36,001 bytes, not a whole number of 2-byte (uint16) tokens"),
+    "meta.json not JSON": ("meta.json", lambda d: (d / "meta.json").write_text('{"vocab_size": 64,'),
+                           "is not valid JSON"),
+    "meta.json not an object": ("meta.json", lambda d: (d / "meta.json").write_text("[64]"),
+                                "holds a JSON list"),
+    "meta.json lacks vocab_size": ("meta.json", lambda d: (d / "meta.json").write_text('{"eos_id": 0}'),
+                                   "'vocab_size' is missing"),
+    "meta.json vocab_size a string": ("meta.json", lambda d: (d / "meta.json").write_text('{"vocab_size": "64"}'),
+                                      "'vocab_size' is '64', not a whole number"),
+    "meta.json of other bins": ("meta.json", lambda d: (d / "meta.json").write_text(
+        '{"vocab_size": 64, "train_tokens": 99, "val_tokens": 2000}'), "'train_tokens' is 99, but"),
+    "meta.json eos_id outside the vocab": ("meta.json", lambda d: (d / "meta.json").write_text(
+        '{"vocab_size": 64, "eos_id": 64}'), "'eos_id' 64 is outside the vocab"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_data_is_a_clear_error(tmp_path, capsys, case):
+    """Not a traceback: the file, what is wrong with it, and the command that prepares it again."""
+    name, spoil, why = BAD_DATA[case]
+    d = Path(make_dataset(tmp_path / "d"))
+    spoil(d / "pat")
+    assert run(args(d, tmp_path / "o", "--max_iters=1")) == 2
+    err = capsys.readouterr().err
+    assert str(d / "pat" / name) in err and why in err, err
+    assert "python data/prepare_slimpajama.py" in err and f"--out_dir={d / 'pat'}" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    """The demo needs the Mistral tokenizer to prepare its data: offline and without
+    mistral-common's copy, the error says so and what to install, with no traceback."""
+    fake = tmp_path / "site" / "mistral_common"  # found by name, but without the tokenizer file
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path / "site"), "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    r = subprocess.run([sys.executable, "train.py", "config/tiny_cpu.py", f"--data_dir={tmp_path / 'data'}",
+                        f"--out_dir={tmp_path / 'out'}", "--max_iters=1"], cwd=ROOT, capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "error: no tokenizer found" in r.stderr and "pip install mistral-common" in r.stderr, r.stderr
+    assert "preparing the demo data" in r.stderr and "Traceback" not in r.stdout + r.stderr
 
 
 def test_data_order_disjoint_ranks_same_global_batch():
