@@ -60,7 +60,10 @@ def main(argv=None):
     torch.cuda.manual_seed(args.seed)
     model, _ = load_model(args.ckpt, args.device)
     from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
-    tok = load_tokenizer(args.tokenizer or exported_tokenizer(args.ckpt))
+    try:
+        tok = load_tokenizer(args.tokenizer or exported_tokenizer(args.ckpt))
+    except RuntimeError as e:  # no tokenizer found: offline, and no mistral-common
+        raise ValueError(f"{e} (--tokenizer)")
     check_vocab(tok, model)
     ctx = ExitStack()
     if "cuda" in args.device:

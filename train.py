@@ -1,33 +1,22 @@
 """
-Train a GDN / PRISM / attention language model. nanoGPT's loop, plus what a long run needs:
-exact resume, verified checkpoints, and a loop that survives preemption, NaNs and bad input.
+Train a GDN / PRISM / attention language model: nanoGPT's loop, plus exact resume, verified
+checkpoints, and a loop that survives preemption, NaNs and bad input.
 
-CPU demo (prepares its data from Python's own documentation on first use):
-    python train.py config/tiny_cpu.py
-One GPU:
-    python train.py config/prism_130m.py
-DDP on one node (8 GPUs; the global batch stays what the config says):
-    torchrun --standalone --nproc_per_node=8 train.py config/prism_130m.py
-FSDP (weights, gradients and AdamW state sharded over the GPUs; sharded checkpoints):
+    python train.py config/tiny_cpu.py                       # CPU demo, data built on first use
+    python train.py config/prism_130m.py                     # one GPU
+    torchrun --standalone --nproc_per_node=8 train.py config/prism_130m.py   # DDP, same global batch
     torchrun --standalone --nproc_per_node=8 train.py config/prism_1b3.py --fsdp=True
-Resume (picks the newest good checkpoint in out_dir):
-    python train.py config/prism_130m.py --init_from=resume
-Every key, its default and its meaning (settings.py holds them):
-    python train.py --help
+    python train.py config/prism_130m.py --init_from=resume  # the newest good checkpoint in out_dir
+    python train.py --help                                   # every key, its default and meaning
 
 The file reads in the order a run goes: setup (processes, device, precision), data (memmaps and a
-resumable order), model and optimizer (fresh or resumed), the step, evaluation, checkpoints,
-logging, faults (signals, NaN steps, out of memory, a CPU too slow for the config), then
-train(), the loop that strings them together.
+resumable order), model and optimizer (fresh or resumed), the step, evaluation, checkpoints, then
+train(), the loop that strings them together. The log, the stop signals, the data checks and the
+advice on faults are in train_aids.py.
 """
-import gc
-import json
 import math
 import os
 import random
-import shlex
-import signal
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -38,13 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (CheckpointError, atomic_write, list_checkpoints, load_full_into_sharded,
-                        load_latest_checkpoint, load_model, load_sharded, rng_state, save_checkpoint,
-                        save_sharded, set_rng_state)
+from checkpoint import (CheckpointError, list_checkpoints, load_full_into_sharded, load_latest_checkpoint,
+                        load_model, load_sharded, rng_state, save_checkpoint, save_sharded, set_rng_state)
 from model import Model, ModelConfig
 from settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
+from train_aids import (DEMO_DATASET, RunLog, StopNow, StopSignals, announce, changed_keys, check_cpu_speed,
+                        check_data, check_data_meta, check_resume_model_args, data_eos_id, fmt_time,
+                        fmt_tokens, log_step, oom_error, prepare_demo_data, report_bad_step)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -130,9 +119,6 @@ def _free_port():
 # -----------------------------------------------------------------------------------------------
 # data: uint16 memmaps, a deterministic and resumable order
 
-DEMO_DATASET = "pydoc"  # built on first use from the documentation inside every Python install
-
-
 @dataclass
 class Data:
     paths: dict         # split -> .bin path
@@ -142,34 +128,9 @@ class Data:
     order: "DataOrder"
 
 
-def prepare_hint(data_dir, dataset):
-    out = os.path.join(data_dir, dataset)
-    if dataset == "slimpajama":
-        return f"python data/prepare_slimpajama.py --out_dir={out}"
-    return f"python data/prepare_slimpajama.py --data_files 'path/to/*.jsonl.zst' --out_dir={out}"
-
-
-def prepare_demo_data(d):
-    """The CPU demo's corpus: Python's own documentation (pydoc_data, ~0.5 MB of English, no
-    download), one document per paragraph, 5% of them held out, tokenized into d by
-    data/prepare_slimpajama.py. Everything it writes stays in d."""
-    from pydoc_data.topics import topics
-    src = os.path.join(d, "pydoc.txt")
-    atomic_write(src, "\n\n".join(topics.values()))
-    args = ["--data_files", src, "--tokens", "all", "--val_tokens", "all", "--val_fraction", "0.05",
-            "--num_proc", "1", "--overwrite", "--out_dir", d]
-    script = os.path.join(ROOT, "data", "prepare_slimpajama.py")
-    print(f"{d}: no data yet; preparing it from Python's documentation (pydoc_data):\n"
-          f"  {shlex.join(['python', os.path.relpath(script), *args])}", flush=True)
-    r = subprocess.run([sys.executable, script, *args])
-    if r.returncode != 0:
-        raise UserError(f"preparing the demo data in {d} failed (exit code {r.returncode}, "
-                        f"its error is above)")
-
-
 def load_data(cfg, env, model_args):
-    """Check the dataset directory (building the demo dataset when it is missing); refuse data
-    whose vocab or token ids do not fit the model."""
+    """The dataset's bins and meta.json, checked against the model (train_aids.check_data); the
+    demo dataset is built when it is missing."""
     d = os.path.join(cfg["data_dir"], cfg["dataset"])
     if cfg["dataset"] == DEMO_DATASET:
         ready = all(os.path.isfile(os.path.join(d, f)) for f in ("train.bin", "val.bin", "meta.json"))
@@ -178,54 +139,10 @@ def load_data(cfg, env, model_args):
         if env.ddp:
             dist.barrier()  # every rank, whatever it saw: the others wait for rank 0's files
     paths = {s: os.path.join(d, f"{s}.bin") for s in ("train", "val")}
-    for split, p in paths.items():
-        if not os.path.isfile(p):
-            raise UserError(f"{split} data not found: {p}\nPrepare it with:\n  "
-                            f"{prepare_hint(cfg['data_dir'], cfg['dataset'])}")
-        n = os.path.getsize(p) // 2
-        if n < cfg["block_size"] + 1:
-            raise UserError(f"{p} holds {n} tokens, fewer than block_size+1 = {cfg['block_size'] + 1}")
-    meta = {}
-    meta_path = os.path.join(d, "meta.json")
-    if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-    else:
-        env.log(f"warning: {meta_path} missing; cannot check the tokenizer/vocab of the data")
-    check_data_meta(meta, model_args)
-    for split in ("train", "val"):  # once, here: on CUDA a bad id is an unexplained device assert
-        data = np.memmap(paths[split], dtype=np.uint16, mode="r")
-        top = max(int(data[i:i + 2**26].max()) for i in range(0, len(data), 2**26))
-        if top >= model_args["vocab_size"]:
-            raise UserError(f"{paths[split]} holds token id {top} >= vocab_size {model_args['vocab_size']}")
+    meta = check_data(paths, os.path.join(d, "meta.json"), cfg, model_args, env.log)
     n_train, n_val = (os.path.getsize(paths[s]) // 2 for s in ("train", "val"))
     order_seed = cfg["data_seed"] if cfg["data_seed"] >= 0 else cfg["seed"]
     return Data(paths, meta, n_train, n_val, DataOrder(n_train, cfg["block_size"], order_seed))
-
-
-def data_eos_id(meta, model_args):
-    """reset_at_eos cuts at the data's EOS: meta.json's eos_id, unless the config names another."""
-    eos, ours = meta.get("eos_id"), model_args["eos_id"]
-    if not model_args["reset_at_eos"] or eos is None or eos == ours:
-        return ours
-    if ours != MODEL_DEFAULTS["eos_id"]:
-        raise UserError(f"reset_at_eos: meta.json has eos_id {eos}, the config eos_id {ours}; "
-                        f"drop --eos_id or set --eos_id={eos}")
-    return eos
-
-
-def check_data_meta(meta, model_args, ckpt_meta=None):
-    """Refuse data whose vocab (or, on resume, tokenizer) differs from the model's."""
-    problems = []
-    if "vocab_size" in meta and meta["vocab_size"] != model_args["vocab_size"]:
-        problems.append(f"vocab_size: meta.json has {meta['vocab_size']}, "
-                        f"the model has {model_args['vocab_size']}")
-    for key in ("vocab_size", "tokenizer", "tokenizer_sha256", "eos_id"):
-        if ckpt_meta and key in ckpt_meta and key in meta and ckpt_meta[key] != meta[key]:
-            problems.append(f"{key}: meta.json has {meta[key]!r}, "
-                            f"the checkpoint was trained on {ckpt_meta[key]!r}")
-    if problems:
-        raise UserError("the data does not match the model:\n  " + "\n  ".join(problems))
 
 
 class DataOrder:
@@ -287,7 +204,8 @@ class Progress:
     bad_streak: int = 0                 # ... in a row, up to now
 
 
-def build_model(cfg, env, model_args):
+def build_model(cfg, env, model_args, init=None):
+    """The model (on its device, sharded under FSDP; `init`: the weights to start from) and AdamW."""
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
     try:
         raw_model = Model(ModelConfig(**model_args), backend=cfg["backend"], chunk_size=cfg["chunk_size"])
@@ -301,6 +219,11 @@ def build_model(cfg, env, model_args):
         shard_model(raw_model, env)
     optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                                (cfg["beta1"], cfg["beta2"]))
+    if init is not None:
+        if env.fsdp:
+            load_full_into_sharded(raw_model, None, {"model": init})
+        else:
+            raw_model.load_state_dict(init)
     return raw_model, optimizer
 
 
@@ -320,8 +243,8 @@ def init_weights_from(cfg, env, model_args):
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e))
     theirs = {**MODEL_DEFAULTS, **ModelConfig.from_dict(meta["model_args"]).__dict__}
-    changed = [f"{k}={theirs[k]!r} (config had {model_args[k]!r})" for k in model_args
-               if k not in FINETUNE_FREE_KEYS and _norm(theirs[k]) != _norm(model_args[k])]
+    changed = [f"{k}={theirs[k]!r} (config had {model_args[k]!r})"
+               for k in changed_keys(theirs, model_args, model_args) if k not in FINETUNE_FREE_KEYS]
     model_args.update({k: theirs[k] for k in model_args if k not in FINETUNE_FREE_KEYS})
     env.log(f"initialising from {src}" + (f"; its architecture replaces the config's: {', '.join(changed)}"
                                            if changed else ""))
@@ -373,8 +296,7 @@ def start_or_resume(cfg, env, data, raw_model, optimizer, model_args):
         raise UserError(str(e))
     check_resume_model_args(ckpt["model_args"], model_args)
     check_data_meta(data.meta, model_args, ckpt.get("data_meta"))
-    changed = [k for k in TRAIN_DEFAULTS if k in ckpt.get("config", {})
-               and _norm(ckpt["config"][k]) != _norm(cfg[k])]
+    changed = changed_keys(ckpt.get("config", {}), cfg, TRAIN_DEFAULTS)
     env.log(f"resuming from {path} (iter {ckpt['iter_num']})"
             + (f"; train keys changed since: {', '.join(changed)}" if changed else ""))
     if os.path.isdir(path):  # sharded (written with FSDP, on any number of ranks)
@@ -390,20 +312,6 @@ def start_or_resume(cfg, env, data, raw_model, optimizer, model_args):
     else:
         env.log(f"warning: checkpoint has RNG states for {len(rngs)} ranks, running {env.world}; reseeded")
     return Progress(**{k: ckpt[k] for k in asdict(Progress()) if k in ckpt})
-
-
-def check_resume_model_args(ckpt_args, model_args):
-    # a key the checkpoint lacks is newer than it: the checkpoint ran with its default
-    ckpt_args = {**MODEL_DEFAULTS, **ckpt_args}
-    diff = [f"{k} (checkpoint {ckpt_args.get(k)!r}, now {v!r})" for k, v in model_args.items()
-            if _norm(ckpt_args.get(k)) != _norm(v)]
-    if diff:
-        raise UserError("cannot resume: the model config differs from the checkpoint's in "
-                        + ", ".join(diff) + ". Use the checkpoint's values or a new out_dir.")
-
-
-def _norm(v):
-    return list(v) if isinstance(v, (list, tuple)) else v
 
 
 # -----------------------------------------------------------------------------------------------
@@ -434,6 +342,7 @@ def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested
     fused AdamW's found_inf leaves weights, moments and step count as they were. The same
     all-reduce tells every rank whether any of them was asked to stop.
     Advances `prog`'s position; returns the step's StepResult, which the host reads later."""
+    began = StepResult.clock(env.device)
     B, T = cfg["batch_size"], cfg["block_size"]
     accum = cfg["gradient_accumulation_steps"] // env.world
     lr = get_lr(prog.iter_num, cfg)
@@ -461,32 +370,47 @@ def train_step(model, raw_model, optimizer, data, cfg, env, prog, stop_requested
     optimizer.zero_grad(set_to_none=True)
     prog.iter_num += 1
     prog.data_pos += B * cfg["gradient_accumulation_steps"]
-    return StepResult(prog.iter_num, prog.data_pos,
-                      torch.stack([flags[0] / env.world, grad_norm.float(), flags[1], flags[2]]))
+    return StepResult(prog.iter_num, prog.data_pos, lr,
+                      torch.stack([flags[0] / env.world, grad_norm.float(), flags[1], flags[2]]), began)
 
 
 class StepResult:
     """One queued step's loss, grad norm, skipped? and stop? on their way to the host: copied into
     pinned memory behind the step's kernels and read (`read()`) once the next step is queued, so
     the GPU never waits for the host at a step boundary (with a sync per step it idles while the
-    host queues the next step's first kernels)."""
+    host queues the next step's first kernels). With them comes the step's own time, from its
+    start to its end where it ran: tokens/s is the step's, whatever the host did between steps."""
 
-    def __init__(self, iter_num, data_pos, stats):
-        self.iter_num, self.data_pos, self.done = iter_num, data_pos, None
+    @staticmethod
+    def clock(device):
+        """A step's start: a CUDA event in the stream (it fires once the work before it is done),
+        elsewhere the host's clock."""
+        if device.type != "cuda":
+            return time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def __init__(self, iter_num, data_pos, lr, stats, began):
+        self.iter_num, self.data_pos, self.lr, self.began, self.done = iter_num, data_pos, lr, began, None
         if stats.is_cuda:
             self.stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
             self.stats.copy_(stats, non_blocking=True)
-            self.done = torch.cuda.Event()
+            self.done = torch.cuda.Event(enable_timing=True)
             self.done.record()
-        else:
-            self.stats = stats
+        else:  # on the CPU the step has run by now (tolist waits for any other device)
+            self.stats = stats.tolist()
+            self.seconds = time.perf_counter() - began
 
     def read(self):
-        """(loss, grad norm, skipped, stop requested on some rank); waits for this step alone."""
+        """(loss, grad norm, skipped, stop requested on some rank, the step's seconds); waits for
+        this step alone."""
+        stats = self.stats
         if self.done is not None:
             self.done.synchronize()
-        loss, grad_norm, bad, stop = self.stats.tolist()
-        return loss, grad_norm, bad > 0, stop > 0
+            stats, self.seconds = stats.tolist(), self.began.elapsed_time(self.done) / 1e3
+        loss, grad_norm, bad, stop = stats
+        return loss, grad_norm, bad > 0, stop > 0, self.seconds
 
 
 # -----------------------------------------------------------------------------------------------
@@ -541,269 +465,32 @@ def save(cfg, env, raw_model, optimizer, prog, data, model_args):
 
 
 # -----------------------------------------------------------------------------------------------
-# logging: the console, out_dir/log.jsonl, optional wandb / TensorBoard
-
-class RunLog:
-    """log.jsonl (every logged step, strict JSON) plus wandb / TensorBoard when asked for; rank 0
-    only. A fresh run starts the file empty; a resumed one drops the lines past its checkpoint
-    (what a killed run logged after its last save)."""
-
-    def __init__(self, cfg, env, resumed_at=None):
-        self.on = env.master
-        self.path = os.path.join(cfg["out_dir"], "log.jsonl")
-        self.wandb = self.tb = None
-        if not self.on:
-            return
-        keep = []
-        if resumed_at is not None and os.path.isfile(self.path):
-            with open(self.path) as f:
-                for line in f:
-                    try:
-                        if json.loads(line)["iter"] <= resumed_at:
-                            keep.append(line if line.endswith("\n") else line + "\n")
-                    except (ValueError, KeyError, TypeError):
-                        pass
-        atomic_write(self.path, "".join(keep))
-        if cfg["wandb_log"]:
-            try:
-                import wandb
-                wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or None, config=cfg)
-                self.wandb = wandb
-            except Exception as e:  # missing package, offline, no login: keep training
-                env.log(f"warning: wandb disabled ({type(e).__name__}: {e})")
-        if cfg["tensorboard_log"]:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(os.path.join(cfg["out_dir"], "tb"))
-            except Exception as e:
-                env.log(f"warning: tensorboard disabled ({type(e).__name__}: {e})")
-
-    def write(self, rec):
-        if not self.on:
-            return
-        rec = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
-        with open(self.path, "a") as f:  # strict JSON: NaN/Inf become null
-            f.write(json.dumps(rec) + "\n")
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in rec.items() if k != "iter"}, step=rec["iter"])
-        if self.tb is not None:
-            for k, v in rec.items():
-                if k != "iter" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, rec["iter"])
-
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def log_step(runlog, env, raw_model, cfg, prog, res, loss, grad_norm, dt, dt_avg):
-    T = cfg["block_size"]
-    tokens_per_iter = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * T
-    lr = get_lr(res.iter_num - 1, cfg)
-    # MFU against a GPU's peak means nothing on a CPU
-    mfu = (raw_model.estimate_mfu(cfg["batch_size"] * cfg["gradient_accumulation_steps"] // env.world, dt)
-           if env.device.type == "cuda" else None)
-    eta = dt_avg * (cfg["max_iters"] - res.iter_num)
-    env.log(f"iter {res.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {tokens_per_iter / dt:,.0f} tok/s, "
-            + (f"mfu {mfu * 100:.1f}%, " if mfu is not None else "")
-            + f"grad {grad_norm:.3f}, eta {fmt_time(eta)}")
-    runlog.write({"iter": res.iter_num, "loss": loss, "lr": lr, "tokens": res.data_pos * T,
-                  "tok_s": tokens_per_iter / dt, **({"mfu": mfu} if mfu is not None else {}),
-                  "grad_norm": grad_norm, "skipped": prog.skipped, "dt": dt,
-                  **({"mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30}
-                     if env.device.type == "cuda" else {})})
-
-
-def fmt_time(s):
-    s = int(s)
-    if s >= 2 * 86400:
-        return f"{s / 86400:,.0f} days"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def fmt_tokens(n):
-    """12,345 / 12.3M / 2.00B: exact below a million, then in M below a billion, then in B."""
-    if n < 1e6:
-        return f"{n:,}"
-    return f"{n / 1e6:.1f}M" if round(n / 1e6, 1) < 1000 else f"{n / 1e9:.2f}B"
-
-
-def announce(cfg, env, raw_model):
-    B, T, G = cfg["batch_size"], cfg["block_size"], cfg["gradient_accumulation_steps"]
-    a = raw_model.config
-    env.log(f"model: {raw_model.num_params(non_embedding=False) / 1e6:.2f}M parameters ({a.mixer}"
-            f"{', attention at ' + str(list(a.attn_layers)) if a.attn_layers else ''}), "
-            f"backend {raw_model.backend}, device {env.device}, dtype {env.dtype}, world {env.world}"
-            + (" (FSDP)" if env.fsdp else ""))
-    env.log(f"global batch: {B} seqs x {G // env.world} micro-steps x {env.world} ranks x {T} tokens = "
-            f"{B * G * T:,} tokens/iter; {cfg['max_iters']} iters = "
-            f"{fmt_tokens(cfg['max_iters'] * B * G * T)} tokens")
-
-
-# -----------------------------------------------------------------------------------------------
-# faults: stop signals, non-finite steps, out of memory, a CPU too slow for the config
-
-class StopNow(BaseException):
-    """A second stop signal: leave at once, saving nothing (BaseException: no `except Exception`
-    on the way out may swallow it)."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class StopSignals:
-    """SIGTERM / SIGINT. The first asks for a checkpoint after the current step (the loop reads
-    `requested` once a step; under DDP the ranks agree through the next step's flags, one step
-    later) and says so at once; a second stops at once
-    without saving. A repeat within REPEAT_S seconds is the same request delivered twice
-    (launchers such as torchrun and SLURM signal the workers as well as themselves): ignored."""
-    REPEAT_S = 1.0
-
-    def __init__(self, announce):
-        self.name, self.at, self.announce, self.old = None, 0.0, announce, {}
-
-    @property
-    def requested(self):
-        return self.name is not None
-
-    def install(self):
-        self.old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def restore(self):
-        for s, h in self.old.items():
-            signal.signal(s, h)
-
-    def _on_signal(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.name is None:
-            self.name, self.at = name, time.monotonic()
-            if self.announce:  # os.write: print() from a signal handler can hit a half-done write
-                os.write(2, f"\nreceived {name}: will save a checkpoint after the current step, then exit; "
-                            f"send it again to stop at once without saving\n".encode())
-        elif time.monotonic() - self.at > self.REPEAT_S:
-            raise StopNow(signum)
-
-
-def report_bad_step(prog, cfg, env, iter_num):
-    env.log(f"warning: iter {iter_num}: non-finite loss or gradient; update skipped "
-            f"({prog.bad_streak} in a row, {prog.skipped} in total)")
-    if prog.bad_streak >= cfg["max_bad_steps"]:
-        good = list_checkpoints(cfg["out_dir"])
-        raise UserError(f"aborting at iter {iter_num}: {prog.bad_streak} consecutive non-finite "
-                        f"steps (max_bad_steps={cfg['max_bad_steps']}); last good checkpoint: "
-                        f"{good[0] if good else 'none'}. Lower learning_rate or check the data.")
-
-
-def suggest_micro_batch(batch_size, fits):
-    """Largest batch_size / 2^k (k >= 1) for which fits(b) is True, or None."""
-    b = batch_size // 2
-    while b >= 1:
-        if fits(b):
-            return b
-        b //= 2
-    return None
-
-
-def oom_error(model, optimizer, cfg, env, iter_num):
-    """Called once the out-of-memory traceback (and the activations it held) is gone: find a
-    micro-batch that fits and say how to rerun with the same global batch."""
-    B, T, G = cfg["batch_size"], cfg["block_size"], cfg["gradient_accumulation_steps"]
-    peak = torch.cuda.max_memory_allocated(env.device) / 2**30
-    total = torch.cuda.get_device_properties(env.device).total_memory / 2**30
-    gc.collect()
-
-    def fits(b):  # can one forward + backward of b sequences run now?
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        try:
-            x = torch.randint(0, cfg["vocab_size"], (b, T), device=env.device)
-            with (model.no_sync() if env.ddp and not env.fsdp else nullcontext()), env.autocast():
-                _, loss = model(x, x)
-            loss.backward()
-            return True
-        except torch.OutOfMemoryError:
-            return False
-        finally:
-            optimizer.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-
-    b = suggest_micro_batch(B, fits)
-    hint = (f"batch_size={b} fits: rerun with --batch_size={b} --gradient_accumulation_steps="
-            f"{G * B // b} (same global batch)" if b else "even batch_size=1 does not fit; "
-            "shorten block_size or shrink the model")
-    return UserError(f"CUDA out of memory at iter {iter_num} with batch_size={B} x block_size={T} "
-                     f"per GPU (peak {peak:.1f} of {total:.1f} GiB). {hint}")
-
-
-CPU_WARN_STEP_S = 10.0  # warn when one step on a CPU is estimated to take longer than this
-
-
-def cpu_flops(n=512, reps=3):
-    """A rough float32 matmul FLOP/s of this CPU at torch's thread count: an upper bound on what
-    a training step gets."""
-    a = torch.randn(n, n)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
-
-
-def check_cpu_speed(raw_model, cfg, env):
-    """On a CPU, warn before the first step when the config is sized for a GPU."""
-    if env.device.type != "cpu":
-        return
-    tokens = cfg["batch_size"] * cfg["gradient_accumulation_steps"] // env.world * cfg["block_size"]
-    flops = raw_model.flops_per_token(cfg["block_size"]) * tokens
-    rate = cpu_flops()
-    step_s = flops / rate
-    if step_s < CPU_WARN_STEP_S:
-        return
-    env.log(f"warning: this config is sized for a GPU. On this CPU one step ({tokens:,} tokens x "
-            f"{raw_model.flops_per_token(cfg['block_size']) / 1e9:.2f} GFLOP) takes at least "
-            f"{fmt_time(step_s)} at the {rate / 1e9:.0f} GFLOP/s its matmuls reach, "
-            f"the run ({cfg['max_iters']} steps) {fmt_time(step_s * cfg['max_iters'])}.\n"
-            f"  For a CPU run pick a tiny config: python train.py config/tiny_cpu.py\n"
-            f"  or shrink this one, e.g. --n_layer=2 --n_embd=64 --n_head=2 --head_dim=32 "
-            f"--block_size=64 --batch_size=4 --gradient_accumulation_steps=2")
-
-
-# -----------------------------------------------------------------------------------------------
 # the run
 
 def train(cfg):
+    """Setup, then the loop: evaluate (and save) every eval_interval iterations, queue a step, read
+    the one before it. The host reads each step's outcome one step late (StepResult), so the last
+    one is read before anything that must know it: a save, the end."""
     env = setup(cfg)
     model_args = model_args_of(cfg)
     init = init_weights_from(cfg, env, model_args)
     data = load_data(cfg, env, model_args)
     model_args["eos_id"] = data_eos_id(data.meta, model_args)  # reset_at_eos cuts where the data does
-    raw_model, optimizer = build_model(cfg, env, model_args)
-    if init is not None:
-        if env.fsdp:
-            load_full_into_sharded(raw_model, None, {"model": init})
-        else:
-            raw_model.load_state_dict(init)
-        init = None
+    raw_model, optimizer = build_model(cfg, env, model_args, init)
+    del init  # the model holds those weights now
     prog = start_or_resume(cfg, env, data, raw_model, optimizer, model_args)
     resumed_at = prog.iter_num if cfg["init_from"] == "resume" else None
     model = wrap_model(raw_model, cfg, env)
     runlog = RunLog(cfg, env, resumed_at)
-    stop = StopSignals(announce=env.master)
+    stop = StopSignals(announce=env.master, under_torchrun="TORCHELASTIC_RUN_ID" in os.environ)
     T = cfg["block_size"]
-    t_start, last_eval, oom = time.time(), resumed_at, False
-    t_mark, dt_avg = time.time(), None
+    t_start, last_eval, oom, dt_avg = time.time(), resumed_at, False, None
 
     def settle(res, force_log=False):
         """Take in a queued step's outcome: count a skipped step (aborting after max_bad_steps in a
         row), log it, and say whether some rank asked to stop."""
-        nonlocal t_mark, dt_avg
-        loss, grad_norm, bad, stopping = res.read()
-        now = time.time()
-        dt, t_mark = now - t_mark, now   # read to read: the step's time once steps queue back to back
+        nonlocal dt_avg
+        loss, grad_norm, bad, stopping, dt = res.read()
         dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
         if bad:
             prog.skipped += 1
@@ -840,7 +527,6 @@ def train(cfg):
                 prog.best_val_loss = min(prog.best_val_loss, val)
                 if prog.iter_num > 0 and (improved or cfg["always_save_checkpoint"] or final):
                     env.log(f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}")
-                t_mark = time.time()
             if final:
                 break
             queued = train_step(model, raw_model, optimizer, data, cfg, env, prog, stop.requested)

@@ -612,7 +612,10 @@ def absorb(out, result, task, split, k, a):
 def prepare(a):
     t0 = time.time()
     streams = plan_streams(a)
-    tok = load_tokenizer(a.tokenizer)
+    try:
+        tok = load_tokenizer(a.tokenizer)
+    except (OSError, ValueError, RuntimeError) as e:  # none found, a missing file, not a SentencePiece model
+        raise PrepareError(str(e))
     if tok.vocab_size >= 65536:
         raise PrepareError(f"vocab size {tok.vocab_size} does not fit uint16")
     k = val_every(a)

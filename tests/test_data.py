@@ -453,6 +453,16 @@ def test_early_errors(tmp_path, monkeypatch):
     with pytest.raises(prep.PrepareError, match="no documents"):
         run(["--data_files", tmp_path / "blank.jsonl", "--out_dir", tmp_path / "b", "--tokens", "all"])
     assert not (tmp_path / "b" / "train.bin").exists()
+    # no tokenizer, or a file that is none: a message, not a traceback
+    with pytest.raises(prep.PrepareError, match="tokenizer file not found"):
+        run(["--data_files", good, "--out_dir", tmp_path / "t", "--tokenizer", tmp_path / "nope.model"])
+    with pytest.raises(prep.PrepareError, match="ModelProto"):
+        run(["--data_files", good, "--out_dir", tmp_path / "t", "--tokenizer", good])
+    monkeypatch.setattr(tokmod, "_from_hub", lambda: None)
+    monkeypatch.setattr(tokmod, "_from_mistral_common", lambda: None)
+    with pytest.raises(prep.PrepareError, match="no tokenizer found.*pip install mistral-common"):
+        run(["--data_files", good, "--out_dir", tmp_path / "t"])
+    assert not (tmp_path / "t").exists()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 import checkpoint
 import settings
 import train
+import train_aids
 from model import Model, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,11 +222,58 @@ def test_missing_data_prints_prepare_command(tmp_path, capsys):
 def test_vocab_mismatch_refused(data, tmp_path, capsys):
     assert run(args(data, tmp_path / "o", "--vocab_size=128", "--max_iters=1")) == 2
     err = capsys.readouterr().err
-    assert "vocab_size: meta.json has 64, the model has 128" in err
+    assert "vocab_size: meta.json has 64, the model has 128" in err and "--vocab_size=64" in err
     # no meta.json: token ids beyond the vocab are still caught
     d = make_dataset(tmp_path / "nometa", meta=False)
     assert run(args(d, tmp_path / "o2", "--vocab_size=32", "--max_iters=1")) == 2
     assert "token id" in capsys.readouterr().err
+
+
+BAD_DATA = {  # what is wrong -> (the file it is in, how to break a good dataset, what the error says)
+    "odd-sized bin": ("train.bin", lambda d: open(d / "train.bin", "ab").write(b"\0"),
+                      "is 36,001 bytes, not a whole number of 2-byte (uint16) tokens"),
+    "meta.json not JSON": ("meta.json", lambda d: (d / "meta.json").write_text('{"vocab_size": 64,'),
+                           "is not valid JSON"),
+    "meta.json not an object": ("meta.json", lambda d: (d / "meta.json").write_text("[64]"),
+                                "holds a JSON list"),
+    "meta.json lacks vocab_size": ("meta.json", lambda d: (d / "meta.json").write_text('{"eos_id": 0}'),
+                                   "'vocab_size' is missing"),
+    "meta.json vocab_size a string": ("meta.json", lambda d: (d / "meta.json").write_text('{"vocab_size": "64"}'),
+                                      "'vocab_size' is '64', not a whole number"),
+    "meta.json of other bins": ("meta.json", lambda d: (d / "meta.json").write_text(
+        '{"vocab_size": 64, "train_tokens": 99, "val_tokens": 2000}'), "'train_tokens' is 99, but"),
+    "meta.json eos_id outside the vocab": ("meta.json", lambda d: (d / "meta.json").write_text(
+        '{"vocab_size": 64, "eos_id": 64}'), "'eos_id' 64 is outside the vocab"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_data_is_a_clear_error(tmp_path, capsys, case):
+    """Not a traceback: the file, what is wrong with it, and the command that prepares it again."""
+    name, spoil, why = BAD_DATA[case]
+    d = Path(make_dataset(tmp_path / "d"))
+    spoil(d / "pat")
+    assert run(args(d, tmp_path / "o", "--max_iters=1")) == 2
+    err = capsys.readouterr().err
+    assert str(d / "pat" / name) in err and why in err, err
+    assert "python data/prepare_slimpajama.py" in err and f"--out_dir={d / 'pat'}" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    """The demo needs the Mistral tokenizer to prepare its data: offline and without
+    mistral-common's copy, the error says so and what to install, with no traceback."""
+    fake = tmp_path / "site" / "mistral_common"  # found by name, but without the tokenizer file
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path / "site"), "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    r = subprocess.run([sys.executable, "train.py", "config/tiny_cpu.py", f"--data_dir={tmp_path / 'data'}",
+                        f"--out_dir={tmp_path / 'out'}", "--max_iters=1"], cwd=ROOT, capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "error: no tokenizer found" in r.stderr and "pip install mistral-common" in r.stderr, r.stderr
+    assert "preparing the demo data" in r.stderr and "Traceback" not in r.stdout + r.stderr
 
 
 def test_data_order_disjoint_ranks_same_global_batch():
@@ -301,7 +349,7 @@ def test_sigterm_saves_and_exits_zero(data, tmp_path):
     assert sorted(read_log(out)[0]) == list(range(1, stopped + 3))
 
 
-def spawn_slow(argv, seconds):
+def spawn_slow(argv, seconds, env=()):
     """train.py in a subprocess whose every micro-step takes `seconds` longer (a hook the test
     injects by wrapping train.forward_loss), so that signals land mid-step."""
     code = ("import sys, time, train\n"
@@ -309,7 +357,8 @@ def spawn_slow(argv, seconds):
             f"train.forward_loss = lambda *a: (time.sleep({seconds}), real(*a))[1]\n"
             "sys.exit(train.main(sys.argv[1:]))\n")
     return subprocess.Popen([sys.executable, "-u", "-c", code, *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **dict(env)})
 
 
 def read_until(proc, text, timeout=120):
@@ -324,27 +373,45 @@ def read_until(proc, text, timeout=120):
     raise AssertionError(f"never printed {text!r}:\n{''.join(seen)}")
 
 
-def test_second_signal_stops_at_once_without_saving(data, tmp_path):
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)])
+def test_second_signal_stops_at_once_without_saving(data, tmp_path, first, second):
+    """Any second stop signal, however soon after the first (the first is already acted on)."""
     out = tmp_path / "term2"
     proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=3)
     read_until(proc, "global batch")
     time.sleep(0.5)  # inside the first step (6 s long)
     t0 = time.time()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(first)
     read_until(proc, "will save a checkpoint after the current step")
-    time.sleep(1.5)  # a deliberate second signal, not the launcher's echo of the first
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(second)
     text, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, text
-    assert "stopped at once by a second SIGTERM; nothing saved since the last checkpoint" in text
+    assert proc.returncode == 128 + second, text
+    assert f"stopped at once by a second {second.name}; nothing saved since the last checkpoint" in text
     assert time.time() - t0 < 5.5  # did not wait for the step to end
     assert not list(out.glob("ckpt*"))
 
 
-def test_repeated_signal_within_a_second_is_one_request(data, tmp_path):
-    """torchrun and SLURM signal the workers as well as themselves: one stop arrives twice."""
+def test_two_signals_at_once_stop_at_once(data, tmp_path):
+    """Two stop signals sent back to back are two requests: the second stops the run at once."""
     out = tmp_path / "term3"
-    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=1)
+    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=3)
+    read_until(proc, "global batch")
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    # either may be handled first: the other one stops the run
+    assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), text
+    assert re.search(r"stopped at once by a second SIG(INT|TERM)", text), text
+    assert time.time() - t0 < 5.5 and not list(out.glob("ckpt*"))
+
+
+def test_under_torchrun_a_repeat_within_a_second_is_one_request(data, tmp_path):
+    """torchrun's agent passes each signal it gets on to its workers, and SLURM signals both: under
+    torchrun one stop can arrive twice, and must still save."""
+    out = tmp_path / "term4"
+    proc = spawn_slow(args(data, out, "--max_iters=1000", "--eval_interval=1000"), seconds=1,
+                      env={"TORCHELASTIC_RUN_ID": "test"})
     read_until(proc, "global batch")
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGTERM)
@@ -557,7 +624,7 @@ def test_gpu_sized_config_on_cpu_warns_before_the_first_step(data, tmp_path, cap
     env = train.Env(ddp=False, rank=0, world=1, device=torch.device("cpu"), dtype="float32")
     with torch.device("meta"):
         big = Model(ModelConfig(**settings.model_args_of(cfg)))
-    train.check_cpu_speed(big, cfg, env)
+    train_aids.check_cpu_speed(big, cfg, env)
     text = capsys.readouterr().out
     assert "warning: this config is sized for a GPU" in text and "524,288 tokens" in text
     assert "python train.py config/tiny_cpu.py" in text
@@ -565,14 +632,14 @@ def test_gpu_sized_config_on_cpu_warns_before_the_first_step(data, tmp_path, cap
     assert run(args(data, tmp_path / "a", "--max_iters=1")) == 0
     assert "sized for a GPU" not in capsys.readouterr().out
     # ... but on a CPU a million times slower, a warning before the first step
-    monkeypatch.setattr(train, "cpu_flops", lambda: 1e5)
+    monkeypatch.setattr(train_aids, "cpu_flops", lambda: 1e5)
     assert run(args(data, tmp_path / "b", "--max_iters=1")) == 0
     text = capsys.readouterr().out
     assert "sized for a GPU" in text and text.index("sized for a GPU") < text.index("iter 1: loss")
 
 
 def test_token_counts_and_no_mfu_on_cpu(data, tmp_path, capsys):
-    assert [train.fmt_tokens(n) for n in (2560, 12_345_678, 999_999_999, 2_000_000_000)] == [
+    assert [train_aids.fmt_tokens(n) for n in (2560, 12_345_678, 999_999_999, 2_000_000_000)] == [
         "2,560", "12.3M", "1.00B", "2.00B"]
     assert run(args(data, tmp_path / "o", "--max_iters=10", "--eval_interval=10")) == 0
     text = capsys.readouterr().out
@@ -580,6 +647,26 @@ def test_token_counts_and_no_mfu_on_cpu(data, tmp_path, capsys):
     steps = [ln for ln in text.splitlines() if ln.startswith("iter") and "loss" in ln]
     assert len(steps) == 12 and not [ln for ln in steps if "mfu" in ln]  # a GPU's peak means nothing on a CPU
     assert all("mfu" not in r for r in read_log(tmp_path / "o")[1])
+
+
+def test_tokens_per_second_is_the_steps_own(data, tmp_path, capsys, monkeypatch):
+    """Every log line's tok/s and dt are its step's, also on the iterations that evaluate and save
+    (there the step is read with no step queued behind it) and on the step after them: never
+    faster than the step's slowed micro-steps allow, never slowed by the evaluation or the save."""
+    real_fwd, real_eval, real_save = train.forward_loss, train.evaluate, train.save
+    monkeypatch.setattr(train, "forward_loss", lambda *a: (time.sleep(0.15), real_fwd(*a))[1])
+    monkeypatch.setattr(train, "evaluate", lambda *a: (time.sleep(0.6), real_eval(*a))[1])
+    monkeypatch.setattr(train, "save", lambda *a: (time.sleep(0.6), real_save(*a))[1])
+    out = tmp_path / "rate"
+    assert run(args(data, out, "--max_iters=7", "--eval_interval=3")) == 0
+    printed = {int(m[1]): float(m[2].replace(",", "")) for m in
+               re.finditer(r"^iter (\d+): loss [^,]+, lr [^,]+, ([\d,]+) tok/s", capsys.readouterr().out, re.M)}
+    steps, _ = read_log(out)
+    assert sorted(steps) == sorted(printed) == list(range(1, 8))
+    for i, r in steps.items():
+        assert 0.3 <= r["dt"] < 0.6, (i, r["dt"])  # 2 micro-steps of 0.15 s; an eval or a save is 0.6 s
+        assert r["tok_s"] == pytest.approx(4 * 2 * 32 / r["dt"])
+        assert printed[i] == pytest.approx(r["tok_s"], abs=1)
 
 
 def test_demo_config_prepares_its_own_data(tmp_path):
@@ -609,8 +696,8 @@ def test_oom_suggestion_halves_until_it_fits():
         tried.append(b)
         return b <= 5
 
-    assert train.suggest_micro_batch(16, fits) == 4 and tried == [8, 4]
-    assert train.suggest_micro_batch(4, lambda b: False) is None
+    assert train_aids.suggest_micro_batch(16, fits) == 4 and tried == [8, 4]
+    assert train_aids.suggest_micro_batch(4, lambda b: False) is None
 
 
 def test_plot_writes_png(reference, tmp_path):
