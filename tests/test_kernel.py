@@ -124,14 +124,21 @@ def check_against_naive(B, T, H, K, V, L, dtype, tol, device=DEV, h0=True, g_ran
     seed = seed if seed is not None else torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     xs = make_inputs(B, T, H, K, V, L, device, g_range=g_range, gen=gen, h0=h0)
-    # the reference sees exactly the values the kernel sees (inputs rounded to dtype first)
+    out, ref, floor = kernel_reference_floor(chunk_prism, reference, xs, dtype)
+    return compare(out, ref, tol, tag=f"B={B} T={T} H={H} K={K} V={V} L={L} {dtype} seed={seed}", floor=floor)
+
+
+def kernel_reference_floor(fn, reference, xs, dtype):
+    """fn in dtype and `reference` in float64 on the same inputs rounded to dtype (g and the
+    state stay float32), and for bf16/fp16 the rounding floor: errors_of the float64 result on
+    the unrounded inputs against that reference (None for float32)."""
     xr = [None if x is None else (x if i in (3, 7) else x.to(dtype)) for i, x in enumerate(xs)]
     ref = run_with_grads(reference, xr, torch.float64, 1)
-    out = run_with_grads(chunk_prism, xr, dtype, 1)
+    out = run_with_grads(fn, xr, dtype, 1)
     floor = None
     if dtype != torch.float32:
         floor = errors_of(run_with_grads(reference, xs, torch.float64, 1, upstream=dtype), ref)
-    return compare(out, ref, tol, tag=f"B={B} T={T} H={H} K={K} V={V} L={L} {dtype} seed={seed}", floor=floor)
+    return out, ref, floor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,12 +598,10 @@ def run_sweep_case(i, device=DEV):
         cu = torch.tensor([0] + list(itertools.accumulate(packed)), dtype=torch.int32, device=device)
         if h0:
             xs[7] = (0.5 * torch.randn(len(packed), H, K, V, generator=gen)).to(device)
-    xr = [None if x is None else (x if j in (3, 7) else x.to(dtype)) for j, x in enumerate(xs)]
     fn = lambda *a, **kw: chunk_prism(*a, cu_seqlens=cu, **kw)  # noqa: E731
     ref_fn = lambda *a, **kw: delta_rule_chunk(*a, cu_seqlens=cu, **kw)  # noqa: E731
     t0 = time.time()
-    out = run_with_grads(fn, xr, dtype, 1)
-    ref = run_with_grads(ref_fn, xr, torch.float64, 1)
+    out, ref, floor = kernel_reference_floor(fn, ref_fn, xs, dtype)
     errs = errors_of(out, ref)
     for name, a in zip(NAMES, out):
         if a is not None and not torch.isfinite(a).all():
@@ -605,7 +610,6 @@ def run_sweep_case(i, device=DEV):
     if dtype == torch.float32:
         bounds = {n: list(SWEEP_F32_TOL) for n in errs}
     else:
-        floor = errors_of(run_with_grads(ref_fn, xs, torch.float64, 1, upstream=dtype), ref)
         rec["floor"] = floor
         rec["ratio"] = {n: [e / max(f, 1e-12) for e, f in zip(errs[n], floor[n])] for n in errs}
         bounds = {n: [ROUNDING_RATIO * f for f in floor[n]] for n in errs}
