@@ -21,6 +21,7 @@ fla, L=3 <= 1.3x our L=1 (every shape); packed documents <= 1.1x the same tokens
 """
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import sys
@@ -186,6 +187,16 @@ def row(impl, L, B, T, H, K, V, t_f, t_fb, act, peak, **extra):
     return r
 
 
+def load_kernel(path):
+    """Time the prism_kernel.py at `path` in place of the repo's, for this whole process."""
+    global prism_kernel, chunk_prism
+    spec = importlib.util.spec_from_file_location("prism_kernel", path)
+    prism_kernel = importlib.util.module_from_spec(spec)
+    sys.modules["prism_kernel"] = prism_kernel
+    spec.loader.exec_module(prism_kernel)
+    chunk_prism = prism_kernel.chunk_prism
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["8,2048,6,128", "2,8192,6,128", "1,32768,6,128"],
@@ -202,7 +213,11 @@ def main():
                                                          "compares our own rows only)")
     ap.add_argument("--profile", action="store_true", help="per-kernel times for L=1, L=3 and fla at every shape")
     ap.add_argument("--warm", action="store_true", help="only compile the kernel variants, in parallel")
+    ap.add_argument("--kernel", default="", help="a prism_kernel.py to time instead of the repo's "
+                                                 "(an A/B of two builds: run once with each)")
     args = ap.parse_args()
+    if args.kernel:
+        load_kernel(args.kernel)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     shapes = [s if len(s) == 5 else s + (s[3],) for s in shapes]
     Ls = [int(x) for x in args.L.split(",")]
@@ -213,7 +228,7 @@ def main():
     torch.manual_seed(0)
     dev_name = torch.cuda.get_device_name(0)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=dev_name, torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
+                device=dev_name, kernel=args.kernel or "prism_kernel.py", torch=torch.__version__, triton=triton.__version__, fla=FLA_VERSION,
                 dtype="bfloat16", timing="triton.testing.do_bench median, warmup 10 ms, rep 100 ms",
                 memory="act = allocated after forward minus before (output + saved); "
                        "peak = max allocated during fwd+bwd minus before; inputs excluded",
