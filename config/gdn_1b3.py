@@ -10,7 +10,7 @@
 # 1.0, 4096 context; flame's 0.5M-token batches (128 x 4096). 1e11 / 524288 = 190735 iters,
 # warmup 1907. A shorter run: set max_iters and lr_decay_iters together (e.g. 20480 = 10.7B).
 # Memory: 16 bytes per weight for fp32 weights + grads + AdamW = 21 GB before activations;
-# use --fsdp=True on GPUs under 80 GB (README's memory table).
+# use --fsdp=True on GPUs under 80 GB (BENCHMARKS.md's memory table, estimated).
 # Micro-batch 2 x 4096: fits 80 GB GPUs with --fsdp=True, 141 GB ones with DDP (estimated).
 # gradient_accumulation_steps is global: on N GPUs each does 64 / N micro-steps.
 out_dir = "out/gdn_1b3"

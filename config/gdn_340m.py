@@ -16,7 +16,7 @@
 # clip 1.0; betas (0.9, 0.95) and weight decay 0.1 are flame's optimizer defaults. Context 4096 as
 # flame's context_len. The paper's 0.4B runs take 15B tokens at lr 4e-4: --max_iters=28610
 # --lr_decay_iters=28610 --learning_rate=4e-4 --min_lr=4e-5 for that.
-# Micro-batch 4 x 4096: 45-62 GB per GPU with DDP for the three 340M models (README's memory
+# Micro-batch 4 x 4096: 45-62 GB per GPU with DDP for the three 340M models (BENCHMARKS.md's memory
 # table, estimated). gradient_accumulation_steps is global: on N GPUs each does 32 / N micro-steps.
 out_dir = "out/gdn_340m"
 dataset = "slimpajama"

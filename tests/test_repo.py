@@ -129,7 +129,7 @@ def test_doc_links_and_paths_resolve_in_a_clone(doc):
             if not path.startswith(ROOT + os.sep) or not os.path.exists(path):
                 missing.append(target)
     if doc in CITING:  # the result files a table cites, the scripts a command runs
-        for path in re.findall(r"`((?:bench|config|data|eval|tests)/[\w./-]+\.(?:py|sh|json|jsonl|log|txt|png|md))",
+        for path in re.findall(r"`((?:bench|config|data|eval|tests)/[\w./-]+\.(?:py|sh|json|jsonl|log|txt|png|md|diff))",
                                text):
             if "*" not in path and "<" not in path and not os.path.exists(os.path.join(ROOT, path)):
                 missing.append(path)
@@ -145,11 +145,111 @@ def test_ci_runs_readme_install_and_test_commands():
     ci = [ln.strip() for ln in open(os.path.join(ROOT, ".ci", "run")).read().splitlines()]
     assert any(ln.startswith(install + " ") or ln == install for ln in ci), install
     assert any(ln.endswith(" " + tests) for ln in ci), tests
-    req = open(os.path.join(ROOT, "requirements.txt")).read()
-    torch_pin = re.search(r"^torch==([\d.]+)\s*$", req, re.M).group(1)
-    assert f"torch=={torch_pin}" in install
-    assert re.search(r"^triton==3\.7\.1\b", req, re.M)  # the Triton CUDA torch 2.13 pins
+    torch_pin = re.search(r"torch==([\d.]+)", install).group(1)
+    req = requirement_specs()
+    assert req["torch"].contains(torch_pin), (torch_pin, req["torch"])
+    assert req["triton"].contains("3.7.1")  # the Triton CUDA torch 2.13 pins, and CPU CI installs
     assert demo.startswith("python ")
+
+
+def requirement_specs():
+    """{name: SpecifierSet} of requirements.txt's lines."""
+    from packaging.requirements import Requirement
+    specs = {}
+    for ln in open(os.path.join(ROOT, "requirements.txt")).read().splitlines():
+        ln = ln.split("#")[0].strip()
+        if ln:
+            r = Requirement(ln)
+            specs[r.name.lower()] = r.specifier
+    return specs
+
+
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def result_versions():
+    """{"torch": {...}, "triton": {...}}: the versions the committed GPU results name (in their
+    meta, env or versions blocks), local labels (+cu130) dropped."""
+    import json
+    found = {"torch": set(), "triton": set()}
+
+    def walk(node, depth):
+        if isinstance(node, dict) and depth < 3:
+            for k, v in node.items():
+                if k in found and isinstance(v, str):
+                    found[k].add(v.split("+")[0])
+                else:
+                    walk(v, depth + 1)
+
+    for dirpath, _, files in os.walk(RESULTS):
+        for f in files:
+            if f.endswith(".json"):
+                with open(os.path.join(dirpath, f)) as fh:
+                    walk(json.load(fh), 0)
+    return found
+
+
+def test_gpu_results_stack_is_installable_from_readme():
+    """Every torch that a committed GPU result ran on is admitted by requirements.txt and has its
+    install line in README, and so is every Triton those results name: a GPU user can rebuild
+    the stack the figures and GPU tests came from."""
+    versions = result_versions()
+    assert versions["torch"] and versions["triton"]
+    req = requirement_specs()
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for v in sorted(versions["torch"]):
+        assert req["torch"].contains(v), f"requirements.txt's torch range leaves out {v}, which results ran on"
+        assert f"pip install torch=={v} && pip install -r requirements.txt" in readme, \
+            f"README has no install line for torch {v}, which results ran on"
+    for v in sorted(versions["triton"]):
+        assert req["triton"].contains(v), f"requirements.txt's triton range leaves out {v}, which results ran on"
+
+
+def _docs_and_code_text():
+    """The text of every doc and code file outside bench/results."""
+    for path in _tracked_text_files():
+        if not os.path.relpath(path, ROOT).startswith(os.path.join("bench", "results")):
+            yield open(path, errors="replace").read()
+
+
+def uncited_result_files():
+    """Files under bench/results that no doc and no code names: by path, by a glob
+    (`bench/results/x_*`), by a folder under bench/results, or beside a named file of the same
+    stem (a run's .log next to its .json)."""
+    import fnmatch
+    cited = set()
+    for text in _docs_and_code_text():
+        for m in re.findall(r"bench/results/[\w.*/-]*", text):
+            m = m.rstrip(".,/")
+            if m != "bench/results":
+                cited.add(m)
+    stems = {os.path.splitext(c)[0] for c in cited}
+    uncited = []
+    for dirpath, _, files in os.walk(RESULTS):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), ROOT).replace(os.sep, "/")
+            if any(rel == c or fnmatch.fnmatch(rel, c) or rel.startswith(c + "/") for c in cited):
+                continue
+            if os.path.splitext(rel)[0] not in stems:
+                uncited.append(rel)
+    return sorted(uncited)
+
+
+def test_every_result_file_is_cited():
+    """bench/results holds what the docs or the code cite, nothing superseded (git keeps history)."""
+    assert not uncited_result_files(), "cited nowhere: " + ", ".join(uncited_result_files())
+
+
+# phrases that date a figure by the repo's history instead of by its card, date and commit
+HISTORY_WORDS = ["run before", "day before", "this build", "earlier build", "current build",
+                 "build before", "last passed", "not yet met"]
+
+
+@pytest.mark.parametrize("doc", CITING)
+def test_docs_state_results_without_history_words(doc):
+    text = " ".join(open(os.path.join(ROOT, doc)).read().lower().split())
+    found = [w for w in HISTORY_WORDS if w in text]
+    assert not found, f"{doc} says {found}: name the card, date or commit instead"
 
 
 # the repo's own modules, and the folders of scripts that import their neighbours by bare name
