@@ -447,6 +447,8 @@ class GatedDeltaNet(nn.Module):
         D, H, K, V = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.value_dim
         self.cfg, self.H, self.K, self.V = cfg, H, K, V
         self.L = 1   # writes per token (PRISM: L)
+        self.backend = None    # recurrence backend; None: default_backend of the input's device (Model.backend)
+        self.chunk_size = 64   # the chunk backend's chunk length (Model.chunk_size)
         self.q_proj = nn.Linear(D, H * K, bias=cfg.bias)
         self.k_proj = nn.Linear(D, H * K, bias=cfg.bias)
         self.v_proj = nn.Linear(D, H * V, bias=cfg.bias)
@@ -482,11 +484,10 @@ class GatedDeltaNet(nn.Module):
     def solver_step(self, x, buf, reset):
         return None
 
-    def forward(self, x, cache=None, backend="chunk", chunk_size=64, seg=None):
+    def forward(self, x, seg=None, cache=None):
         B, T, _ = x.shape
-        if cache is not None and backend == "triton" and T <= STEP_TOKENS:
-            return self.step(x, cache)
         H, K, V = self.H, self.K, self.V
+        backend = self.backend or default_backend(x.device)
         buf = cache.layers[self.layer_idx] if cache is not None else {}
         reset = cache.reset if cache is not None else None
         # under autocast: cast once here, not once per projection (four casts of x in the
@@ -506,7 +507,7 @@ class GatedDeltaNet(nn.Module):
         if s0 is not None and s0.dtype == torch.bfloat16:   # a bf16 cache: the update runs in float32
             s0 = s0.float()
         o, state = rule(q, k, v, g, beta, ke, ve, initial_state=s0,
-                        output_final_state=cache is not None, backend=backend, chunk_size=chunk_size,
+                        output_final_state=cache is not None, backend=backend, chunk_size=self.chunk_size,
                         l2norm_qk=True)
         if cache is not None:  # the cache's buffer keeps its address
             buf["state"].copy_(state)
@@ -514,9 +515,9 @@ class GatedDeltaNet(nn.Module):
         return self.o_proj(o.reshape(B, T, H * V))
 
     def step(self, x, cache):
-        """The cached forward of a few tokens on the Triton path (decoding): one GEMM for every
-        input projection, then a kernel each for the short conv, the recurrence (with the q/k
-        norm, the gates and PRISM's solver write inside) and the output norm and gate."""
+        """forward(x, cache=cache) of a few tokens on the Triton decoding kernels: one GEMM for
+        every input projection, then a kernel each for the short conv, the recurrence (with the
+        q/k norm, the gates and PRISM's solver write inside) and the output norm and gate."""
         pk = kernels()
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
@@ -685,11 +686,11 @@ class Attention(nn.Module):
         return {"k": torch.zeros(shape, dtype=dtype, device=device),
                 "v": torch.zeros(shape, dtype=dtype, device=device)}
 
-    def forward(self, x, cache=None, backend=None, chunk_size=None, seg=None):  # recurrence options unused
+    def forward(self, x, seg=None, cache=None):
         B, T, D = x.shape
         qkv = self.qkv(x)
         if cache is not None:
-            return self.o_proj(self.cached(qkv, cache, backend == "triton").reshape(B, T, D))
+            return self.o_proj(self.cached(qkv, cache, fused=False).reshape(B, T, D))
         q, k, v = qkv.view(B, T, 3, self.H, self.hd).unbind(2)
         pos = torch.arange(T, device=x.device) if seg is None else seg.pos
         q, k = rope(q, pos, self.cfg.rope_theta), rope(k, pos, self.cfg.rope_theta)
@@ -707,6 +708,11 @@ class Attention(nn.Module):
             with sdpa_kernel(DECODE_SDPA):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]).transpose(1, 2)
         return self.o_proj(y.reshape(B, T, D))
+
+    def step(self, x, cache):
+        """forward(x, cache=cache) on the decoding path: one token takes the Triton kernels."""
+        B, T, D = x.shape
+        return self.o_proj(self.cached(self.qkv(x), cache, fused=True).reshape(B, T, D))
 
     def cached(self, qkv, cache, fused):
         """Attention of the new tokens (qkv [B,T,3*D]) over the cache's window, which they join.
@@ -774,6 +780,16 @@ class MLP(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+# The mixer protocol. Every class in MIXERS is built as cls(cfg, layer_idx) and has
+#   forward(x, seg=None, cache=None)   x [B,T,D] -> [B,T,D], a sequence. seg: the Segments of the
+#       packed documents (reset_at_eos), or None. With a cache (Model.init_cache) the sequence
+#       continues the one the cache holds and updates it: a prefill, or PyTorch-backend decoding.
+#   step(x, cache)   the same function (to rounding) of a few tokens continuing the cache, on the
+#       Triton decoding kernels; segment starts come from the cache (cache.reset, cache.begins).
+#   cache_buffers(batch_size, max_len, device, dtype)   the layer's buffers in a Cache.
+# Model.forward alone chooses step or forward. Run-time kernel choices (backend, chunk_size,
+# PRISM's recompute and fused_chain) are layer attributes that Model's setters write, never
+# forward arguments; attention has none.
 MIXERS = {"gdn": GatedDeltaNet, "prism": PRISM, "attention": Attention}
 
 
@@ -787,15 +803,15 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cache=None, backend="chunk", chunk_size=64, seg=None):
-        x = x + self.drop(self.mixer(self.norm1(x), cache, backend, chunk_size, seg))
+    def forward(self, x, seg=None, cache=None):
+        x = x + self.drop(self.mixer(self.norm1(x), seg, cache))
         return x + self.drop(self.mlp(self.norm2(x)))
 
     def step(self, x, h, cache, next_norm):
         """The block on the Triton decoding path (no dropout), given h = norm1(x): each residual
         add is one kernel with the norm after it, this block's norm2, then `next_norm` (the next
         block's norm1 or the final norm). Returns (x, next_norm(x))."""
-        x, h = _add_rms_norm(x, self.mixer(h, cache, "triton"), self.norm2)
+        x, h = _add_rms_norm(x, self.mixer.step(h, cache), self.norm2)
         return _add_rms_norm(x, self.mlp(h, step=True), next_norm)
 
 
@@ -809,17 +825,19 @@ class Model(nn.Module):
     layers rerun their solver write in the backward from the layer's input and values, instead
     of saving its anchor, [B,T,H,V] up-projections and residuals) and `fused_loss` (True: the loss is
     linear_cross_entropy, which never holds the [B*T, vocab] logits; None = on CUDA; False:
-    logits, then F.cross_entropy)."""
+    logits, then F.cross_entropy). The setters of backend, chunk_size, recompute_solver and
+    fused_chain write the choice onto every layer that uses it; the mixers read their own
+    attributes, never forward arguments."""
 
     def __init__(self, config, backend=None, chunk_size=64):
         super().__init__()
         self.config = cfg = config
-        self.backend = backend
-        self.chunk_size = chunk_size
         self.fused_loss = None
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.backend = backend        # after the blocks: both setters write onto the layers
+        self.chunk_size = chunk_size
         self._recompute_solver = True
         self.activation_checkpointing = False   # (sets each PRISM layer's solver recompute too)
         self.norm_f = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -857,6 +875,9 @@ class Model(nn.Module):
         if name not in (None, *BACKENDS):
             raise ValueError(f"backend must be None or one of {BACKENDS}, got {name!r}")
         self._backend = name
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.backend = name
 
     @property
     def activation_checkpointing(self):
@@ -909,6 +930,9 @@ class Model(nn.Module):
         if not (isinstance(c, int) and c > 0):
             raise ValueError(f"chunk_size must be a positive int, got {c!r}")
         self._chunk_size = c
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.chunk_size = c
 
     def forward(self, idx, targets=None, cache=None, return_logits=False, last_only=False):
         """Returns (logits, loss). Without `targets`: the logits [B,T,V] of every position
@@ -925,8 +949,9 @@ class Model(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
         x = self.drop(self.wte(idx))
-        backend, chunk_size, T = self.backend, self.chunk_size, idx.shape[1]
-        step = cache is not None and backend == "triton" and T <= STEP_TOKENS  # decoding kernels
+        T = idx.shape[1]
+        # the one place that picks the mixers' step (decoding kernels) over their forward
+        step = cache is not None and self.backend == "triton" and T <= STEP_TOKENS
         if cache is not None:
             cache.begin_step(idx)
         seg = None  # the decoding kernels take the cache's per-token resets instead
@@ -941,9 +966,9 @@ class Model(nn.Module):
             recompute = self._checkpointing is True and cache is None and torch.is_grad_enabled()
             for block in self.blocks:
                 if recompute:  # keep only the block's input; rerun the block in the backward
-                    x = checkpoint(block, x, None, backend, chunk_size, seg, use_reentrant=False)
+                    x = checkpoint(block, x, seg, use_reentrant=False)
                 else:
-                    x = block(x, cache, backend, chunk_size, seg)
+                    x = block(x, seg, cache)
             x = self.norm_f(x)
         if cache is not None:
             cache.end_step(T)

@@ -311,7 +311,7 @@ class OurProbeNet(nn.Module):
         m = self.model
         x = m.wte(idx)
         for block in m.blocks:
-            x = block(x, None, m.backend, m.chunk_size)
+            x = block(x)
         return m.lm_head(m.norm_f(x[:, -1]))
 
 

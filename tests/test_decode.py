@@ -13,6 +13,7 @@ PyTorch cached path, and the model on the Triton backend against its full forwar
 GPU (`pytest -m gpu`): the kernels at K=128, V=256 and K=V=64 in float32 and bf16, and the
 stepwise tests again through a captured CUDA graph and through generate().
 """
+import inspect
 import math
 import os
 
@@ -400,7 +401,11 @@ def layer_steps(layer, x, batch, dtype, reset=None, backend=None):
     cache.reset = reset  # what Model.forward's begin_step sets, and its segments
     seg = None if reset is None else segments_of(torch.where(reset, EOS, EOS + 1), EOS)
     with torch.no_grad():
-        y = layer.step(x, cache) if backend is None else layer(x, cache, backend=backend, seg=seg)
+        if backend is None:
+            y = layer.step(x, cache)
+        else:
+            layer.backend = backend
+            y = layer(x, seg, cache)
     return y, cache.layers[0]
 
 
@@ -415,6 +420,39 @@ def test_triton_backend_cache_equals_full(name):
         model.backend = "triton"
         got = run_pieces(model, idx, [4, 1, 1, 3])
     assert max_err(got, full) <= TOL
+
+
+@pytest.mark.parametrize("reset_at_eos", [False, True])
+@pytest.mark.parametrize("name", list(model_py.MIXERS))
+def test_mixer_protocol_step_equals_forward(name, reset_at_eos):
+    """Every mixer has forward(x, seg, cache) and step(x, cache) and nothing else in their
+    signatures (no kernel options), and a sequence fed as a forward prefill, then steps of one
+    and of two tokens through the cache, equals the one forward of the whole sequence."""
+    cls = model_py.MIXERS[name]
+    assert list(inspect.signature(cls.forward).parameters) == ["self", "x", "seg", "cache"], name
+    assert list(inspect.signature(cls.step).parameters) == ["self", "x", "cache"], name
+    kw = {"solver_steps": 3} if name == "prism" else {}
+    model = tiny_model(n_layer=1, mixer=name, reset_at_eos=reset_at_eos, **kw).to(DEV)
+    layer = model.blocks[0].mixer
+    assert type(layer) is cls
+    idx = tokens(length=6, seed=2).to(DEV)
+    idx[0, 3] = EOS                                         # a document starts mid-way in row 0
+    x = torch.randn(B, 6, 32, device=DEV)
+    seg = (lambda ids: segments_of(ids, EOS)) if reset_at_eos else (lambda ids: None)
+    cache = model.init_cache(B, 6)
+    out, t = [], 0
+    with torch.no_grad():
+        full = layer(x, seg(idx))
+        for n, fn in [(2, "forward"), (1, "step"), (1, "step"), (2, "step")]:
+            piece = slice(t, t + n)
+            cache.begin_step(idx[:, piece])                  # what Model.forward does around a call
+            y = layer(x[:, piece], seg(idx[:, piece]), cache) if fn == "forward" else layer.step(x[:, piece], cache)
+            cache.end_step(n)
+            out.append(y)
+            t += n
+    got = torch.cat(out, 1)
+    assert full.abs().max() > 0.1, "degenerate test: the output is ~0"
+    assert max_err(got, full) <= TOL, f"{name}: step vs forward {max_err(got, full):.3e}"
 
 
 def check_bf16_state(Bn, H, K, V, L):

@@ -184,6 +184,22 @@ def test_backends_agree_on_the_model():
     assert rel(outs["chunk"], outs["naive"]) <= 1e-10
 
 
+def test_kernel_options_reach_every_layer():
+    """backend and chunk_size travel as the other switches do: the Model's setters write them
+    onto every recurrent layer (the mixers take no such forward arguments)."""
+    cfg = ModelConfig(**TINY, mixer="prism", attn_layers=[0])
+    model = Model(cfg, backend="naive", chunk_size=8)
+    recurrent = [b.mixer for b in model.blocks if isinstance(b.mixer, GatedDeltaNet)]
+    assert len(recurrent) == 1
+    assert all(m.backend == "naive" and m.chunk_size == 8 for m in recurrent)
+    model.backend, model.chunk_size = None, 16
+    assert all(m.backend is None and m.chunk_size == 16 for m in recurrent)
+    assert model.backend == "chunk"   # None resolves per device: the PyTorch chunk backend on CPU
+    assert not hasattr(model.blocks[0].mixer, "backend")   # attention has no kernel options
+    with pytest.raises(ValueError, match="chunk_size"):
+        model.chunk_size = 0
+
+
 def test_parameter_budget_130m():
     with torch.device("meta"):  # count without allocating
         gdn = Model(ModelConfig(mixer="gdn")).num_params(non_embedding=False)
