@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (CheckpointError, list_checkpoints, load_full_into_sharded, load_latest_checkpoint,
-                        load_model, load_sharded, rng_state, save_checkpoint, save_sharded, set_rng_state)
+from checkpoint import (UPCYCLE_KEYS, CheckpointError, check_upcycle_args, list_checkpoints, load_full_into_sharded,
+                        load_latest_checkpoint, load_model, load_sharded, rng_state, save_checkpoint, save_sharded,
+                        set_rng_state, upcycle_state)
 from model import Model, ModelConfig
 from settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
 from train_aids import (DEMO_DATASET, RunLog, StopNow, StopSignals, announce, changed_keys, check_cpu_speed,
@@ -205,12 +206,21 @@ class Progress:
 
 
 def build_model(cfg, env, model_args, init=None):
-    """The model (on its device, sharded under FSDP; `init`: the weights to start from) and AdamW."""
+    """The model (on its device, sharded under FSDP; `init`: an Init, the weights to start from) and
+    AdamW."""
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
     try:
         raw_model = Model(ModelConfig(**model_args), backend=cfg["backend"], chunk_size=cfg["chunk_size"])
     except (ValueError, TypeError) as e:
         raise UserError(str(e))
+    state = init.state if init is not None else None
+    if init is not None and init.upcycle:  # the fresh solver tensors, before the model moves or is sharded
+        try:
+            state, new = upcycle_state(raw_model.state_dict(), state, init.source)
+        except ValueError as e:
+            raise UserError(str(e))
+        env.log(f"upcycled: {len(state) - len(new)} GDN tensors copied, {len(new)} solver tensors new; "
+                f"gain_up = 0, so the solver writes are zero at step 0 (the GDN's logits) and learn from step 1")
     raw_model = raw_model.to(env.device)
     raw_model.activation_checkpointing = cfg["activation_checkpointing"]
     raw_model.recompute_solver = cfg["recompute_solver"]
@@ -221,9 +231,9 @@ def build_model(cfg, env, model_args, init=None):
                                                (cfg["beta1"], cfg["beta2"]))
     if init is not None:
         if env.fsdp:
-            load_full_into_sharded(raw_model, None, {"model": init})
+            load_full_into_sharded(raw_model, None, {"model": state})
         else:
-            raw_model.load_state_dict(init)
+            raw_model.load_state_dict(state)
     return raw_model, optimizer
 
 
@@ -231,10 +241,19 @@ def build_model(cfg, env, model_args, init=None):
 FINETUNE_FREE_KEYS = ("dropout", "block_size")
 
 
+@dataclass
+class Init:
+    """Weights a fresh run starts from (--init_from=<checkpoint or directory>)."""
+    state: dict       # model.py's state dict of the source
+    source: str       # where it came from
+    upcycle: bool     # GDN weights into a PRISM config (checkpoint.upcycle_state)
+
+
 def init_weights_from(cfg, env, model_args):
-    """--init_from=<checkpoint file or export_hf.py directory>: start a fresh run (new optimizer,
-    iteration 0) from those weights. Their architecture replaces the config's (updates
-    model_args in place); returns the state dict, or None for scratch/resume."""
+    """--init_from=<checkpoint file, export_hf.py directory or fla GatedDeltaNetForCausalLM directory>:
+    start a fresh run (new optimizer, iteration 0) from those weights. Their architecture replaces
+    the config's (updates model_args in place), except that a GDN source under a PRISM config is
+    upcycled: the config's PRISM keys (UPCYCLE_KEYS) stay. Returns an Init, or None for scratch/resume."""
     src = cfg["init_from"]
     if src in ("scratch", "resume"):
         return None
@@ -243,12 +262,22 @@ def init_weights_from(cfg, env, model_args):
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e))
     theirs = {**MODEL_DEFAULTS, **ModelConfig.from_dict(meta["model_args"]).__dict__}
+    upcycle = theirs["mixer"] == "gdn" and model_args["mixer"] == "prism"
+    keep = FINETUNE_FREE_KEYS + (UPCYCLE_KEYS if upcycle else ())
     changed = [f"{k}={theirs[k]!r} (config had {model_args[k]!r})"
-               for k in changed_keys(theirs, model_args, model_args) if k not in FINETUNE_FREE_KEYS]
-    model_args.update({k: theirs[k] for k in model_args if k not in FINETUNE_FREE_KEYS})
-    env.log(f"initialising from {src}" + (f"; its architecture replaces the config's: {', '.join(changed)}"
-                                           if changed else ""))
-    return model.state_dict()
+               for k in changed_keys(theirs, model_args, model_args) if k not in keep]
+    model_args.update({k: theirs[k] for k in model_args if k not in keep})
+    if upcycle:
+        try:
+            check_upcycle_args(model_args)
+        except ValueError as e:
+            raise UserError(f"--init_from={src}: {e}")
+    what = "upcycling the GDN" if upcycle else "initialising from"
+    env.log(f"{what} {src}" + (f" (iter {meta['iter_num']})" if "iter_num" in meta else "")
+            + (f" into PRISM (solver_steps={model_args['solver_steps']}, solver_rank={model_args['solver_rank']})"
+               if upcycle else "")
+            + (f"; its architecture replaces the config's: {', '.join(changed)}" if changed else ""))
+    return Init(model.state_dict(), src, upcycle)
 
 
 def shard_model(raw_model, env):
