@@ -304,6 +304,48 @@ def test_train_refuses_an_upcycle_that_cannot_start_at_zero(fla_dir, tmp_path, c
     assert "solver_gain=False (upcycling needs True)" in capsys.readouterr().err
 
 
+
+GDN_ARGS = ["--mixer=gdn", "--n_layer=2", "--n_embd=32", "--n_head=2", "--head_dim=16", "--vocab_size=96"]
+
+
+def _losses(out):
+    recs = [json.loads(x) for x in open(Path(out) / "log.jsonl")]
+    return ({r["iter"]: r["loss"] for r in recs if "loss" in r},
+            {r["iter"]: r["val_loss"] for r in recs if "val_loss" in r})
+
+
+def test_init_continue_carries_on_a_gdn_run_as_gdn_and_as_upcycled_prism(tmp_path, capsys):
+    """A GDN run stopped half way and continued with --init_continue=True is the uninterrupted run
+    (same losses: iteration, data position and AdamW state carried); continued as PRISM it starts
+    at the GDN's val loss, says what it did, and carries the AdamW state of every GDN tensor."""
+    data = make_dataset(tmp_path / "data", vocab=96)
+    common = GDN_ARGS + ["--lr_decay_iters=6", "--eval_interval=3"]
+    assert train.main(_train_args(data, tmp_path / "full", *common, "--max_iters=6")) == 0
+    assert train.main(_train_args(data, tmp_path / "half", *common, "--max_iters=3")) == 0
+    half = tmp_path / "half" / "ckpt.pt"
+    capsys.readouterr()
+    assert train.main(_train_args(data, tmp_path / "gdn", *common, "--max_iters=6", f"--init_from={half}",
+                                  "--init_continue=True")) == 0
+    assert "continuing the run of" in capsys.readouterr().out
+    full, full_val = _losses(tmp_path / "full")
+    cont, cont_val = _losses(tmp_path / "gdn")
+    assert sorted(cont) == [4, 5, 6] and all(cont[i] == full[i] for i in cont), (cont, full)
+    assert cont_val[6] == full_val[6]
+    argv = _train_args(data, tmp_path / "prism", *common, "--max_iters=6", f"--init_from={half}",
+                       "--init_continue=True", "--mixer=prism", "--solver_steps=3", "--solver_rank=8")
+    assert train.main(argv) == 0
+    log = capsys.readouterr().out
+    assert f"upcycling the GDN {half} (iter 3) into PRISM" in log
+    n_gdn = len(list(Model(ModelConfig(**{**ModelConfig().__dict__, "mixer": "gdn", "n_layer": 2, "n_embd": 32,
+                                          "n_head": 2, "head_dim": 16, "vocab_size": 96})).parameters()))
+    assert f"at iter 3 (data position 6); AdamW state carried for {n_gdn} of" in log
+    up, up_val = _losses(tmp_path / "prism")
+    assert sorted(up) == [4, 5, 6] and abs(up_val[3] - full_val[3]) < 1e-6, (up_val, full_val)
+    # the first step's loss is the GDN's weights' (the solver writes are zero); after its update not
+    assert abs(up[4] - full[4]) < 1e-6 and up[5] != full[5] and up[6] != full[6]
+    assert train.main(_train_args(data, tmp_path / "bad", *GDN_ARGS, "--init_continue=True")) == 2
+    assert "init_continue" in capsys.readouterr().err
+
 # ----------------------------------------------------------------------------------------------
 # GPU: fla's own forward (its Triton kernels)
 
