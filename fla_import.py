@@ -182,9 +182,8 @@ def read_fla(path):
         _fail(cfg_path, f"cannot be read as JSON ({e})")
     args = model_args_from_fla(cfg, cfg_path)
     state = rename_fla_state(read_safetensors_dir(path), args["n_layer"], args["tie_embeddings"], path)
-    data_meta = {"vocab_size": args["vocab_size"]}
-    if "eos_id" in args:
-        data_meta["eos_id"] = args["eos_id"]
+    # the tokenizer may hold fewer ids than the (padded) vocab_size: only the EOS is checked against it
+    data_meta = {"eos_id": args["eos_id"]} if "eos_id" in args else {}
     return {"model": state, "model_args": args, "data_meta": data_meta,
             "imported_from": {"format": "fla GatedDeltaNetForCausalLM", "path": os.path.abspath(path),
                               "fla_config": cfg}}

@@ -199,6 +199,61 @@ def test_other_model_type_is_not_taken_for_fla(fla_dir, tmp_path):
         load_model(str(d))
 
 
+
+def _word_tokenizer(d, vocab=96):
+    """A tokenizer.json (word level: w0 .. w95, </s> at 2) and the tokenizer_config.json naming its
+    EOS, as transformers saves them beside an fla model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    words = {f"w{i}": i for i in range(vocab)}
+    words["</s>"] = 2
+    del words["w2"]
+    tk = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tk.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "w1"}))
+
+
+def test_sample_py_uses_the_fla_directorys_tokenizer(fla_dir, tmp_path, capsys):
+    import sample
+    d = _edit_config(fla_dir[0], tmp_path / "with_tok")
+    _word_tokenizer(d)
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(str(d / "tokenizer.json"))
+    assert (tok.eos_id, tok.bos_id, tok.vocab_size) == (2, 1, 96) and tok.encode("w5 w7") == [5, 7]
+    sample.main(["--ckpt", str(d), "--start", "w5 w7", "--max_new_tokens", "6", "--num_samples", "1",
+                 "--temperature", "0", "--device", "cpu"])
+    text = capsys.readouterr().out.splitlines()[1]
+    model, _ = load_model(str(d))
+    ids = model.generate(torch.tensor([[2, 5, 7]]), 6, temperature=0)[0, 1:].tolist()
+    if 2 in ids[2:]:
+        ids = ids[:ids.index(2, 2)]
+    assert text == tok.decode(ids) and text.startswith("w5 w7")
+
+
+def test_export_hf_from_fla(tmp_path):
+    """export_hf.py --from_fla: the directory's tokenizer.model, the export checked through
+    transformers (logits equal the imported model's) and loaded back unchanged."""
+    import shutil
+    import export_hf
+    from tokenizer import load_tokenizer
+    try:
+        sp = load_tokenizer()
+    except Exception as e:
+        pytest.skip(f"no SentencePiece tokenizer offline ({e})")
+    d = tmp_path / "fla"
+    save_fla(d, vocab_size=32000)
+    with pytest.raises(ValueError, match="has no tokenizer.model"):
+        export_hf.main(["--from_fla", str(d), "--out", str(tmp_path / "x")])
+    shutil.copyfile(sp.path, d / "tokenizer.model")
+    export_hf.main(["--from_fla", str(d), "--out", str(tmp_path / "hf")])
+    ours, _ = load_model(str(d))
+    back, meta = load_model(str(tmp_path / "hf"))
+    assert meta["model_args"]["mixer"] == "gdn"
+    for k, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    assert export_hf.exported_tokenizer(str(tmp_path / "hf")) == str(tmp_path / "hf" / "tokenizer.model")
+
 # ----------------------------------------------------------------------------------------------
 # upcycling
 
