@@ -6,7 +6,8 @@ save_checkpoint(out_dir, ...)  out_dir/ckpt_<iter>.pt with its sha256 in ckpt_<i
                                ckpt.pt -> the newest, older ones rotated away
 load_checkpoint(path)          the dict, checked against the sha256 beside it
 load_latest_checkpoint(dir)    the newest checkpoint that loads; the ones that do not are moved aside
-load_model(path)               an eval-mode Model from a checkpoint or an export_hf.py directory
+load_model(path)               an eval-mode Model from a checkpoint, an export_hf.py directory or an
+                               fla GatedDeltaNetForCausalLM directory (fla_import.py)
 read_exported(path)            an export_hf.py directory as a checkpoint dict (what load_model reads)
 rng_state / set_rng_state      every random stream a training step draws from
 
@@ -439,14 +440,18 @@ def set_rng_state(state, device):
 
 def load_model(path, device="cpu", backend=None, warn=_stderr):
     """An eval-mode Model on `device` from a checkpoint written by train.py (or any dict with
-    'model' and 'model_args'), or from a directory written by export_hf.py. Strips the
+    'model' and 'model_args'), from a directory written by export_hf.py, or from one of
+    flash-linear-attention's GatedDeltaNetForCausalLM directories (fla_import.py). Strips the
     '_orig_mod.' (torch.compile) and 'module.' (DDP) prefixes, checks names, shapes and that every
     float tensor is finite. `backend` picks the recurrence backend (None: Triton on CUDA, else
     chunk). Returns (model, meta): meta is the checkpoint without the weights and the optimizer
     state."""
     import torch
     from model import Model, ModelConfig
-    if os.path.isdir(path) and not is_sharded(path):  # a transformers directory written by export_hf.py
+    from fla_import import is_fla_dir, read_fla
+    if os.path.isdir(path) and is_fla_dir(path):  # flash-linear-attention's GatedDeltaNetForCausalLM
+        ckpt = read_fla(path)
+    elif os.path.isdir(path) and not is_sharded(path):  # a transformers directory written by export_hf.py
         ckpt = read_exported(path)
     else:
         ckpt = load_checkpoint(path, ("model", "model_args"), warn)
@@ -479,6 +484,51 @@ def load_model(path, device="cpu", backend=None, warn=_stderr):
     model.eval().to(device)
     meta = {k: v for k, v in ckpt.items() if k not in ("model", "optimizer")}
     return model, meta
+
+
+# the PRISM config keys an upcycled run takes from its own config; every other key is the GDN's
+UPCYCLE_KEYS = ("mixer", "solver_steps", "solver_rank", "solver_nonlinear", "solver_anchor", "solver_gain",
+                "solver_keys", "solver_mode", "anchor_conv_size")
+
+
+def check_upcycle_args(args):
+    """Raise ValueError unless a PRISM of these model args can start exactly where its GDN is.
+    Algorithm 1's step is delta = GELU(p * r) with the gain p = gain_up(.): gain_up = 0 makes
+    every extra write zero (GELU(0) = 0) while its gradient, GELU'(0) r = r / 2 times the write's
+    gradient, is not. With solver_gain=False (p = 1) or the linear mode (sigmoid(p) r) no
+    parameter turns the write off and still learns."""
+    problems = [f"{k}={args[k]!r} (upcycling needs {want!r})" for k, want in
+                (("mixer", "prism"), ("solver_gain", True), ("solver_mode", "gelu")) if args[k] != want]
+    if args["solver_steps"] < 2:
+        problems.append(f"solver_steps={args['solver_steps']} (PRISM with L = 1 is GDN: nothing to add; use >= 2)")
+    if problems:
+        raise ValueError("cannot upcycle GDN into this PRISM config: " + "; ".join(problems))
+
+
+def upcycle_state(prism_state, gdn_state, where="the GDN checkpoint"):
+    """The state dict that starts a PRISM model where a GDN model is: every GDN tensor copied, the
+    solver's new tensors as `prism_state` (a freshly initialised PRISM of the same architecture)
+    has them, except gain_up, zeroed (check_upcycle_args says why). Returns (state, new): `new` names
+    the solver tensors. Raises ValueError naming the tensors that do not fit."""
+    import torch
+    extra = sorted(set(gdn_state) - set(prism_state))
+    if extra:
+        raise ValueError(f"{where}: tensors {extra[:5]} have no place in the PRISM model (not a GDN checkpoint?)")
+    state, new = {}, []
+    for k, v in prism_state.items():
+        if k in gdn_state:
+            if gdn_state[k].shape != v.shape:
+                raise ValueError(f"{where}: tensor {k} has shape {tuple(gdn_state[k].shape)}, the PRISM "
+                                 f"model needs {tuple(v.shape)}")
+            state[k] = gdn_state[k]
+            continue
+        if ".mixer." not in k:
+            raise ValueError(f"{where}: lacks tensor {k}, which is not one of PRISM's solver tensors")
+        new.append(k)
+        state[k] = torch.zeros_like(v) if ".gain_up." in k else v
+    if not any(".gain_up." in k for k in new):
+        raise ValueError(f"{where}: the PRISM model has no gain_up tensors to zero (solver_gain=False?)")
+    return state, new
 
 
 # = hf_modeling.MODEL_TYPE (that file imports transformers; this one need not)

@@ -20,6 +20,10 @@ Written into a temporary directory beside --out, loaded back through transformer
 (logits equal to the checkpoint's, token ids equal to tokenizer.py's), and only then renamed into
 place: --out is the complete export or untouched.
 
+A flash-linear-attention GatedDeltaNetForCausalLM directory (fla_import.py) exports the same way,
+its tokenizer.model the tokenizer:
+    python export_hf.py --from_fla path/to/fla_gdn --out hf/gdn_from_fla
+
 The other direction, for sample.py, eval/ and train.py --init_from:
     model, model_args = load_exported("hf/prism_130m")
 and checkpoint.load_model reads an exported directory wherever it reads a checkpoint file (through
@@ -305,10 +309,18 @@ def export(ckpt, out, tokenizer=None, dtype="float32", force=False):
 
 # ---------------------------------------------------------------------------------------- read back
 
-def exported_tokenizer(path):
-    """The SentencePiece file an exported directory carries, or None (`path` is a checkpoint file)."""
-    p = os.path.join(path, "tokenizer.model")
-    return p if os.path.isdir(path) and os.path.isfile(p) else None
+def exported_tokenizer(path, meta=None):
+    """The tokenizer a model comes with: a directory's (an export's or an fla checkpoint's)
+    tokenizer.model, else its tokenizer.json; for a checkpoint file, the tokenizer file its training
+    data was prepared with (meta: load_model's), when that file is here. None: tokenizer.py's default."""
+    if os.path.isdir(path):
+        for name in ("tokenizer.model", "tokenizer.json"):
+            p = os.path.join(path, name)
+            if os.path.isfile(p):
+                return p
+        return None
+    recorded = ((meta or {}).get("data_meta") or {}).get("tokenizer")
+    return recorded if isinstance(recorded, str) and os.path.isfile(recorded) else None
 
 
 def load_exported(path, device="cpu", backend=None):
@@ -318,9 +330,26 @@ def load_exported(path, device="cpu", backend=None):
     return model, meta["model_args"]
 
 
+def fla_tokenizer(path):
+    """The SentencePiece file of an fla directory, which the export's tokenizer is built from."""
+    from fla_import import is_fla_dir
+    if not is_fla_dir(path):
+        raise ValueError(f"{path}: not a flash-linear-attention GatedDeltaNetForCausalLM directory "
+                         f"(config.json with model_type 'gated_deltanet')")
+    sp = os.path.join(path, "tokenizer.model")
+    if os.path.isfile(sp):
+        return sp
+    raise ValueError(f"{path} has no tokenizer.model: the export builds its tokenizer from a SentencePiece "
+                     f"model (pass one with --tokenizer). Without exporting, the directory loads as it is: "
+                     f"sample.py --ckpt {path}, train.py --init_from={path}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="export a checkpoint as a transformers model directory")
-    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt) or an exported directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="checkpoint file (out_dir/ckpt.pt) or an exported directory")
+    src.add_argument("--from_fla", metavar="DIR", help="a flash-linear-attention GatedDeltaNetForCausalLM "
+                     "directory (its tokenizer.model is the default --tokenizer)")
     p.add_argument("--out", required=True, help="directory to write (atomically)")
     p.add_argument("--tokenizer", default=None,
                    help="SentencePiece model the training data was tokenized with (default: tokenizer.py's)")
@@ -328,6 +357,8 @@ def main(argv=None):
                    help="weights in the safetensors file")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     a = p.parse_args(argv)
+    if a.from_fla:
+        a.ckpt, a.tokenizer = a.from_fla, a.tokenizer or fla_tokenizer(a.from_fla)
     out, rel = export(a.ckpt, a.out, a.tokenizer, a.dtype, a.force)
     print(f"wrote {out} (checked: transformers logits vs the checkpoint's, max relative difference "
           f"{rel:.1e}; tokenizer ids equal tokenizer.py's on {len(CHECK_TEXTS)} texts)")

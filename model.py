@@ -70,7 +70,9 @@ class ModelConfig:
             (self.solver_keys in ("own", "shared", "base"), "solver_keys must be 'own', 'shared' or 'base'"),
             (self.solver_mode in ("gelu", "linear"), "solver_mode must be 'gelu' or 'linear'"),
             (self.solver_steps >= 1, "solver_steps must be >= 1"),
-            (self.n_embd % self.n_head == 0, "n_embd must be divisible by n_head"),
+            # only attention splits the width into heads (fla's GDN-340M: 1024 wide, 6 heads)
+            (self.n_embd % self.n_head == 0 or (self.mixer != "attention" and not self.attn_layers),
+             "n_embd must be divisible by n_head (attention layers split the width into heads)"),
             (all(0 <= i < self.n_layer for i in self.attn_layers), f"attn_layers must lie in [0, {self.n_layer})"),
             (self.vocab_size > 0 and self.block_size > 0, "sizes must be positive"),
             (float(self.head_dim * self.expand_v).is_integer(), "head_dim * expand_v must be an integer"),

@@ -8,7 +8,8 @@ Sample from a trained model (nanoGPT's sample.py, with flags instead of exec'd o
 document-start token (the end-of-document token that separates documents in train.bin), so an
 empty prompt samples a fresh document. Decoding runs through the model's cache: GDN/PRISM layers
 carry their state S and convolution buffers (constant memory in the length), attention layers a
-KV cache. Text is decoded with the Mistral tokenizer (tokenizer.py; --tokenizer overrides). Each
+KV cache. Text is decoded with the model's tokenizer: its directory's (an export or an fla checkpoint),
+or the file its training data was prepared with, else Mistral's (tokenizer.py); --tokenizer overrides. Each
 sample is printed after a line "=== sample i/n ===".
 """
 import argparse
@@ -58,10 +59,10 @@ def main(argv=None):
     from tokenizer import load_tokenizer
     torch.manual_seed(args.seed)
     torch.cuda.manual_seed(args.seed)
-    model, _ = load_model(args.ckpt, args.device)
-    from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
+    model, meta = load_model(args.ckpt, args.device)
+    from export_hf import exported_tokenizer  # the model's own: its directory's, or its data's
     try:
-        tok = load_tokenizer(args.tokenizer or exported_tokenizer(args.ckpt))
+        tok = load_tokenizer(args.tokenizer or exported_tokenizer(args.ckpt, meta))
     except RuntimeError as e:  # no tokenizer found: offline, and no mistral-common
         raise ValueError(f"{e} (--tokenizer)")
     check_vocab(tok, model)

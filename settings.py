@@ -21,7 +21,8 @@ TRAIN_DEFAULTS = dict(
     out_dir="out",                   # checkpoints and log.jsonl are written here
     dataset="slimpajama",            # <data_dir>/<dataset>/{train,val}.bin + meta.json; "pydoc": built on first use
     data_dir="data",                 # the folder that holds the datasets
-    init_from="scratch",             # "scratch" | "resume" (newest good checkpoint in out_dir) | a checkpoint file or export_hf.py directory to fine-tune
+    init_from="scratch",             # "scratch" | "resume" (newest good checkpoint in out_dir) | a checkpoint file, export_hf.py or fla GatedDeltaNet directory to start from (GDN weights under a PRISM config: upcycled)
+    init_continue=False,             # with init_from=<train.py checkpoint file>: carry on its run (iteration, data position, AdamW state of the tensors it has) instead of starting at iteration 0
     eval_interval=250,               # val loss + checkpoint every this many iterations
     eval_iters=20,                   # val batches per evaluation
     log_interval=10,                 # a log line and a log.jsonl record every this many iterations
@@ -167,7 +168,9 @@ def check_values(cfg):
     c = cfg
     rules = [
         ("init_from", c["init_from"] in ("scratch", "resume") or os.path.exists(c["init_from"]),
-         "must be 'scratch', 'resume', or an existing checkpoint file or exported directory"),
+         "must be 'scratch', 'resume', or an existing checkpoint file, exported or fla directory"),
+        ("init_continue", not c["init_continue"] or c["init_from"] not in ("scratch", "resume"),
+         "needs --init_from=<a train.py checkpoint file> (init_from=resume continues a run by itself)"),
         ("dtype", c["dtype"] in ("auto", "float32", "bfloat16"), "must be 'auto', 'float32' or 'bfloat16'"),
         ("device", re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", c["device"]) is not None,
          "must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),

@@ -192,10 +192,65 @@ def _from_mistral_common():
     return path if os.path.isfile(path) else None
 
 
+class JSONTokenizer:
+    """A transformers tokenizer.json (the `tokenizers` library), for models that ship one instead of
+    a SentencePiece file (many of fla's checkpoints): encode and decode as Tokenizer does (no
+    BOS/EOS added), its EOS and BOS named by tokenizer_config.json beside it (else config.json's
+    token ids). What sample.py and eval/ use; data preparation needs a SentencePiece model."""
+
+    def __init__(self, path):
+        from tokenizers import Tokenizer as Backend
+        self.path = str(path)
+        self.sha256 = sha256_file(self.path)
+        self.name = self.path
+        try:
+            self.backend = Backend.from_file(self.path)
+        except Exception as e:
+            raise ValueError(f"{self.path}: cannot be read as a tokenizer.json ({e})")
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        here = os.path.dirname(self.path)
+        self.eos_id = self._special(here, "eos")
+        self.bos_id = self._special(here, "bos")
+        if self.eos_id is None:
+            raise ValueError(f"{self.path}: no EOS token: neither tokenizer_config.json's eos_token nor "
+                             f"config.json's eos_token_id names one")
+
+    def _special(self, here, kind):
+        import json
+        for name, key in (("tokenizer_config.json", f"{kind}_token"), ("config.json", f"{kind}_token_id")):
+            try:
+                with open(os.path.join(here, name), encoding="utf-8") as f:
+                    value = json.load(f).get(key)
+            except (OSError, ValueError):
+                continue
+            if isinstance(value, dict):  # {"content": "</s>", ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                value = self.backend.token_to_id(value)
+            if isinstance(value, int):
+                return value
+        return None
+
+    def __repr__(self):
+        return f"JSONTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+    def encode(self, text):
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts):
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
 def load_tokenizer(path=None):
+    """A SentencePiece model file, a tokenizer.json (JSONTokenizer), or with no path Mistral's."""
     if path is not None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file not found: {path}")
+        if str(path).endswith(".json"):
+            return JSONTokenizer(path)
         return Tokenizer(path)
     for where, found in (("model hub", _from_hub), ("mistral-common package", _from_mistral_common)):
         p = found()

@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (CheckpointError, list_checkpoints, load_full_into_sharded, load_latest_checkpoint,
-                        load_model, load_sharded, rng_state, save_checkpoint, save_sharded, set_rng_state)
+from checkpoint import (UPCYCLE_KEYS, CheckpointError, check_upcycle_args, list_checkpoints, load_checkpoint,
+                        load_full_into_sharded, load_latest_checkpoint, load_model, load_sharded, rng_state,
+                        save_checkpoint, save_sharded, set_rng_state, upcycle_state)
 from model import Model, ModelConfig
 from settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
 from train_aids import (DEMO_DATASET, RunLog, StopNow, StopSignals, announce, changed_keys, check_cpu_speed,
@@ -205,12 +206,21 @@ class Progress:
 
 
 def build_model(cfg, env, model_args, init=None):
-    """The model (on its device, sharded under FSDP; `init`: the weights to start from) and AdamW."""
+    """The model (on its device, sharded under FSDP; `init`: an Init, the weights to start from) and
+    AdamW."""
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
     try:
         raw_model = Model(ModelConfig(**model_args), backend=cfg["backend"], chunk_size=cfg["chunk_size"])
     except (ValueError, TypeError) as e:
         raise UserError(str(e))
+    state = init.state if init is not None else None
+    if init is not None and init.upcycle:  # the fresh solver tensors, before the model moves or is sharded
+        try:
+            state, new = upcycle_state(raw_model.state_dict(), state, init.source)
+        except ValueError as e:
+            raise UserError(str(e))
+        env.log(f"upcycled: {len(state) - len(new)} GDN tensors copied, {len(new)} solver tensors new; "
+                f"gain_up = 0, so the solver writes are zero at step 0 (the GDN's logits) and learn from step 1")
     raw_model = raw_model.to(env.device)
     raw_model.activation_checkpointing = cfg["activation_checkpointing"]
     raw_model.recompute_solver = cfg["recompute_solver"]
@@ -221,9 +231,13 @@ def build_model(cfg, env, model_args, init=None):
                                                (cfg["beta1"], cfg["beta2"]))
     if init is not None:
         if env.fsdp:
-            load_full_into_sharded(raw_model, None, {"model": init})
+            load_full_into_sharded(raw_model, None, {"model": state})
         else:
-            raw_model.load_state_dict(init)
+            raw_model.load_state_dict(state)
+    if init is not None and init.optimizer is not None:
+        carried, total = carry_optimizer_state(optimizer, raw_model, init)
+        env.log(f"continuing the run of {init.source} at iter {init.progress.iter_num} (data position "
+                f"{init.progress.data_pos}); AdamW state carried for {carried} of {total} tensors")
     return raw_model, optimizer
 
 
@@ -231,10 +245,25 @@ def build_model(cfg, env, model_args, init=None):
 FINETUNE_FREE_KEYS = ("dropout", "block_size")
 
 
+@dataclass
+class Init:
+    """Weights a fresh run starts from (--init_from=<checkpoint or directory>)."""
+    state: dict       # model.py's state dict of the source
+    source: str       # where it came from
+    upcycle: bool     # GDN weights into a PRISM config (checkpoint.upcycle_state)
+    # init_continue: the source run's position, its AdamW state and the parameter name of each
+    # index in that state, and the data it was trained on
+    progress: "Progress" = None
+    optimizer: dict = None
+    optimizer_names: list = None
+    data_meta: dict = None
+
+
 def init_weights_from(cfg, env, model_args):
-    """--init_from=<checkpoint file or export_hf.py directory>: start a fresh run (new optimizer,
-    iteration 0) from those weights. Their architecture replaces the config's (updates
-    model_args in place); returns the state dict, or None for scratch/resume."""
+    """--init_from=<checkpoint file, export_hf.py directory or fla GatedDeltaNetForCausalLM directory>:
+    start a fresh run (new optimizer, iteration 0) from those weights. Their architecture replaces
+    the config's (updates model_args in place), except that a GDN source under a PRISM config is
+    upcycled: the config's PRISM keys (UPCYCLE_KEYS) stay. Returns an Init, or None for scratch/resume."""
     src = cfg["init_from"]
     if src in ("scratch", "resume"):
         return None
@@ -243,12 +272,62 @@ def init_weights_from(cfg, env, model_args):
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e))
     theirs = {**MODEL_DEFAULTS, **ModelConfig.from_dict(meta["model_args"]).__dict__}
+    upcycle = theirs["mixer"] == "gdn" and model_args["mixer"] == "prism"
+    keep = FINETUNE_FREE_KEYS + (UPCYCLE_KEYS if upcycle else ())
     changed = [f"{k}={theirs[k]!r} (config had {model_args[k]!r})"
-               for k in changed_keys(theirs, model_args, model_args) if k not in FINETUNE_FREE_KEYS]
-    model_args.update({k: theirs[k] for k in model_args if k not in FINETUNE_FREE_KEYS})
-    env.log(f"initialising from {src}" + (f"; its architecture replaces the config's: {', '.join(changed)}"
-                                           if changed else ""))
-    return model.state_dict()
+               for k in changed_keys(theirs, model_args, model_args) if k not in keep]
+    model_args.update({k: theirs[k] for k in model_args if k not in keep})
+    if upcycle:
+        try:
+            check_upcycle_args(model_args)
+        except ValueError as e:
+            raise UserError(f"--init_from={src}: {e}")
+    what = "upcycling the GDN" if upcycle else "initialising from"
+    env.log(f"{what} {src}" + (f" (iter {meta['iter_num']})" if "iter_num" in meta else "")
+            + (f" into PRISM (solver_steps={model_args['solver_steps']}, solver_rank={model_args['solver_rank']})"
+               if upcycle else "")
+            + (f"; its architecture replaces the config's: {', '.join(changed)}" if changed else ""))
+    init = Init(model.state_dict(), src, upcycle)
+    if cfg["init_continue"]:
+        continue_run_of(init, model, meta, cfg, env)
+    return init
+
+
+def continue_run_of(init, model, meta, cfg, env):
+    """init_continue: fill in the source run's position and AdamW state (a train.py checkpoint
+    file's), so that the run carries on from its iteration and data position with the moments of
+    every tensor the source had."""
+    src = init.source
+    if env.fsdp:
+        raise UserError("init_continue=True needs a run without FSDP (its AdamW state is carried by name)")
+    if os.path.isdir(src) or any(k not in meta for k in ("iter_num", "data_pos")):
+        raise UserError(f"init_continue=True: {src} is not a train.py checkpoint file (it records no "
+                        f"iteration and data position to continue from)")
+    try:
+        ckpt = load_checkpoint(src, ("optimizer",), warn=env.log)
+    except (FileNotFoundError, CheckpointError) as e:
+        raise UserError(str(e))
+    # the source's parameter names in its optimizer's index order: the grouping configure_optimizers makes
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = model.configure_optimizers(0.0, 0.0, (0.9, 0.95)).param_groups
+    init.optimizer_names = [names[id(p)] for g in groups for p in g["params"]]
+    init.optimizer = ckpt["optimizer"]
+    init.progress = Progress(**{k: meta[k] for k in asdict(Progress()) if k in meta})
+    init.progress.best_val_loss = float("inf")  # another model from here on
+    init.data_meta = meta.get("data_meta")
+
+
+def carry_optimizer_state(optimizer, raw_model, init):
+    """The source's AdamW state (moments, step count) into `optimizer` for every parameter of the
+    same name; the others (an upcycled PRISM's solver) start fresh. Returns (carried, total)."""
+    names = {id(p): n for n, p in raw_model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    theirs = {n: i for i, n in enumerate(init.optimizer_names)}
+    src_state = init.optimizer["state"]
+    state = {i: src_state[theirs[n]] for i, n in enumerate(order) if n in theirs and theirs[n] in src_state}
+    sd = optimizer.state_dict()
+    optimizer.load_state_dict({**sd, "state": state})
+    return len(state), len(order)
 
 
 def shard_model(raw_model, env):
@@ -477,8 +556,11 @@ def train(cfg):
     data = load_data(cfg, env, model_args)
     model_args["eos_id"] = data_eos_id(data.meta, model_args)  # reset_at_eos cuts where the data does
     raw_model, optimizer = build_model(cfg, env, model_args, init)
-    del init  # the model holds those weights now
     prog = start_or_resume(cfg, env, data, raw_model, optimizer, model_args)
+    if init is not None and init.progress is not None:  # init_continue: the source run's position
+        check_data_meta(data.meta, model_args, init.data_meta)
+        prog = init.progress
+    del init  # the model holds those weights now
     resumed_at = prog.iter_num if cfg["init_from"] == "resume" else None
     model = wrap_model(raw_model, cfg, env)
     runlog = RunLog(cfg, env, resumed_at)

@@ -55,6 +55,22 @@ and spread per model; each seed's loss at half and all tokens) and a markdown ta
 mean +- std (over seeds) per model, and PRISM - GDN, hybrid - GDN paired by seed (mean and std
 of the per-seed differences), each with a sentence saying whether it is larger than that spread.
 
+Upcycling (--upcycle, seed 0 unless --seeds): GDN-130M trained for the first half of the steps
+(320, 21.0M tokens) on the full run's schedule (lr_decay_iters = 640), its checkpoint saved; then
+from that checkpoint the other half twice, with train.py --init_continue=True (same iteration,
+data position and AdamW state for the GDN tensors): as GDN (config/gdn_130m.py) and as PRISM L=3
+upcycled from it (config/prism_130m.py: the solver's gain_up starts at zero, so its first evaluation
+is the GDN's). Runs gdn_half_s<seed>, gdn_cont_s<seed>, prism_up_s<seed> in
+bench/results/realtext_upcycle/; the 1.7 GB checkpoint is deleted once both continuations finished
+(--keep_checkpoint keeps it). Results: bench/results/realtext_upcycle.json (the three val curves,
+upcycled PRISM - GDN continued per seed and along the curve, the upcycled model's first evaluation
+minus the GDN's, and the seed spread of the evidence runs above, read from realtext_seeds.json, for
+scale) and realtext_upcycle.png. About 2.3 + 2.3 + 3 minutes on one H100/H200, the two
+continuations side by side on two GPUs:
+
+    python bench/realtext_seeds.py --upcycle          # prepare the data if needed, train, summarise
+    python bench/realtext_seeds.py --upcycle --tiny   # the same on a CPU, tiny models, 4 steps
+
 GPU time on one H200, estimated from bench/results/train_bench_compile_all.json (compiled, 16 x
 2048 tokens a micro-step: PRISM 140K tok/s, hybrid 156K, GDN 234K, transformer 390-436K), +10%
 for evaluation (21 x 655K tokens, forward only), + ~60 s to start and compile a run: PRISM 390 s,
@@ -224,26 +240,53 @@ def prepare(a, check=True):
 # -----------------------------------------------------------------------------------------------
 # runs
 
+def run_argv(a, model, recipe, seed, name, extra=()):
+    """train.py's argv for one run: the model's config, the recipe, --train_args, then the seed,
+    the data and the run folder (a.runs/<name>_s<seed>)."""
+    configs = TINY_CONFIGS if a.tiny else CONFIGS
+    argv = list(configs[model]) + [f"--{k}={v}" for k, v in recipe.items()] + a.train_args.split() + list(extra) + [
+        f"--seed={seed}", f"--data_dir={a.data}", f"--dataset={a.dataset}",
+        f"--out_dir={os.path.join(a.runs, f'{name}_s{seed}')}"]
+    return argv + (["--device=cpu"] if a.tiny else [])
+
+
 def plan(a):
     """[(model, seed, train.py argv)], plus the recipe as run."""
     recipe = dict(TINY_RECIPE if a.tiny else RECIPE, max_iters=a.steps, eval_interval=a.eval_interval)
-    configs = TINY_CONFIGS if a.tiny else CONFIGS
+    return [(m, s, run_argv(a, m, recipe, s, m)) for m in a.models for s in a.seeds], recipe
+
+
+# --upcycle: GDN for the first half of the steps (the full run's schedule, its checkpoint kept), then
+# from that checkpoint the second half twice, as GDN and as PRISM upcycled from it (train.py
+# --init_continue: same iteration, data position and AdamW state for the GDN tensors)
+UPCYCLE_RUNS = {"gdn_half": "gdn", "gdn_cont": "gdn", "prism_up": "prism"}
+
+
+def upcycle_plan(a, stage):
+    """stage "half": the GDN runs to the half-way checkpoint; "continue": the two continuations."""
+    recipe = dict(TINY_RECIPE if a.tiny else RECIPE, eval_interval=a.eval_interval, lr_decay_iters=a.steps)
     runs = []
-    for m in a.models:
-        for s in a.seeds:
-            argv = list(configs[m]) + [f"--{k}={v}" for k, v in recipe.items()] + a.train_args.split() + [
-                f"--seed={s}", f"--data_dir={a.data}", f"--dataset={a.dataset}",
-                f"--out_dir={os.path.join(a.runs, f'{m}_s{s}')}"]
-            if a.tiny:
-                argv.append("--device=cpu")
-            runs.append((m, s, argv))
+    for s in a.seeds:
+        if stage == "half":
+            half = dict(recipe, max_iters=a.steps // 2, save_checkpoints=True, keep_checkpoints=1,
+                        always_save_checkpoint=False)
+            runs.append(("gdn_half", s, run_argv(a, "gdn", half, s, "gdn_half")))
+            continue
+        start = [f"--init_from={os.path.join(a.runs, f'gdn_half_s{s}', 'ckpt.pt')}", "--init_continue=True"]
+        for name in ("gdn_cont", "prism_up"):
+            runs.append((name, s, run_argv(a, UPCYCLE_RUNS[name], dict(recipe, max_iters=a.steps), s, name, start)))
     return runs, recipe
+
+
+def max_iters_of(argv):
+    return int([x for x in argv if x.startswith("--max_iters=")][-1].split("=", 1)[1])
 
 
 def fingerprint(argv, data_rec):
     """What makes a finished run reusable: its command and the data it read (not where the two
     lay: run folders copied to another machine stay valid there)."""
-    args = [x for x in argv if not x.startswith(("--data_dir=", "--out_dir="))]
+    args = [x if not x.startswith("--init_from=") else "--init_from=" + "/".join(x.split(os.sep)[-2:])
+            for x in argv if not x.startswith(("--data_dir=", "--out_dir="))]  # init_from: the run it continues
     key = json.dumps([args, data_rec.get("train_bin_sha256"), data_rec.get("val_bin_sha256")])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -271,20 +314,27 @@ def data_record(a, required=True):
     return rec
 
 
-def tokens_per_step(argv):
+def parse_run(argv):
+    """train.py's config of a run. Without its --init_from: a continuation's architecture is its
+    config's (the same as the checkpoint's), and the checkpoint may be gone by the summary."""
     import train
-    cfg = train.parse_config(argv)
+    return train.parse_config([x for x in argv if not x.startswith(("--init_from=", "--init_continue="))])
+
+
+def tokens_per_step(argv):
+    cfg = parse_run(argv)
     return cfg["batch_size"] * cfg["gradient_accumulation_steps"] * cfg["block_size"]
 
 
-def estimate_s(model, a, recipe, runs_done):
-    """Seconds a run of `model` is expected to take: a finished one's wall time, else PLAN_TOK_S."""
+def estimate_s(model, a, steps, runs_done):
+    """Seconds a run of `model` (a name of MODELS or UPCYCLE_RUNS) doing `steps` steps is expected
+    to take: a finished one's wall time, else PLAN_TOK_S."""
     walls = [r["wall_s"] for r in runs_done if r["model"] == model and r.get("finished")]
     if walls:
         return max(walls)
     if a.tiny:
         return 0.0
-    return 1.1 * a.steps * a.step_tokens / PLAN_TOK_S[model] + PLAN_START_S
+    return 1.1 * steps * a.step_tokens / PLAN_TOK_S[UPCYCLE_RUNS.get(model, model)] + PLAN_START_S
 
 
 def lanes_of(a):
@@ -306,8 +356,8 @@ def lanes_of(a):
     return [str(i) for i in range(n)]
 
 
-def train_all(a, data_rec):
-    runs, recipe = plan(a)
+def train_all(a, data_rec, runs=None):
+    runs = runs or plan(a)[0]
     a.step_tokens = tokens_per_step(runs[0][2])
     lanes = lanes_of(a)
     todo, finished = [], []
@@ -322,7 +372,7 @@ def train_all(a, data_rec):
           f"{'on the CPU' if a.tiny else 'on GPUs ' + ','.join(lanes)}", flush=True)
     if not todo:
         return
-    todo.sort(key=lambda r: (-estimate_s(r[0], a, recipe, finished), r[1]))  # longest first
+    todo.sort(key=lambda r: (-estimate_s(r[0], a, max_iters_of(r[2]), finished), r[1]))  # longest first
     names, where = gpu_names(), {"versions": versions(), "host": platform.node()}
     t0 = time.time()
     deadline = START + a.deadline_s if a.deadline_s else None
@@ -351,7 +401,7 @@ def train_all(a, data_rec):
         recs = read_log(os.path.join(d, "log.jsonl"))[0]
         done_iters = recs[-1]["iter"] if recs else 0
         st = {"model": m, "seed": s, "exit_code": p.returncode, "wall_s": round(time.time() - t_start, 1),
-              "iters": done_iters, "finished": p.returncode == 0 and done_iters >= a.steps and why is None,
+              "iters": done_iters, "finished": p.returncode == 0 and done_iters >= max_iters_of(argv) and why is None,
               "stopped": why, "gpu": g or "cpu", **where, "fingerprint": fingerprint(argv, data_rec),
               "gpu_name": names[int(g)] if g.isdigit() and int(g) < len(names) else None,
               "data": data_rec,
@@ -363,7 +413,7 @@ def train_all(a, data_rec):
             with open(os.path.join(d, "train.log"), errors="replace") as f:
                 tail = "\n    " + "\n    ".join(f.read().splitlines()[-5:])
         print(f"  {'done ' if st['finished'] else 'stopped' if why else 'FAILED'} {m} seed {s}: exit {p.returncode}, "
-              f"{done_iters}/{a.steps} steps, {st['wall_s']:.0f}s{' (' + why + ')' if why else ''}{tail}", flush=True)
+              f"{done_iters}/{max_iters_of(argv)} steps, {st['wall_s']:.0f}s{' (' + why + ')' if why else ''}{tail}", flush=True)
 
     def stop(lane, why):
         p, t_stop = busy[lane][3], time.time()
@@ -381,7 +431,7 @@ def train_all(a, data_rec):
                 if lane in busy or not todo:
                     continue
                 left = (deadline - time.time()) if deadline else math.inf
-                pick = next((r for r in todo if estimate_s(r[0], a, recipe, finished) <= left), None)
+                pick = next((r for r in todo if estimate_s(r[0], a, max_iters_of(r[2]), finished) <= left), None)
                 if pick is None:
                     continue
                 todo.remove(pick)
@@ -511,7 +561,7 @@ def count_params(argv):
     import torch
     import train
     from model import Model, ModelConfig
-    cfg = train.parse_config(argv)
+    cfg = parse_run(argv)
     with torch.device("meta"):
         return Model(ModelConfig(**train.model_args_of(cfg))).num_params(non_embedding=False)
 
@@ -661,6 +711,154 @@ def plot(res, path, title):
 
 
 # -----------------------------------------------------------------------------------------------
+# --upcycle: the two continuations of one GDN checkpoint
+
+def upcycle_train(a, data_rec):
+    """The half-way GDN runs, then the continuations of those that finished; then, unless
+    --keep_checkpoint, the half-way checkpoints of seeds whose continuations both finished."""
+    half, _ = upcycle_plan(a, "half")
+    train_all(a, data_rec, half)
+    ready = {s for _, s, _ in half if read_json(os.path.join(a.runs, f"gdn_half_s{s}", "run.json"), {}).get("finished")}
+    cont = [r for r in upcycle_plan(a, "continue")[0] if r[1] in ready]
+    if cont:
+        train_all(a, data_rec, cont)
+    for s in sorted(ready):
+        done = all(read_json(os.path.join(a.runs, f"{n}_s{s}", "run.json"), {}).get("finished")
+                   for n in ("gdn_cont", "prism_up"))
+        if done and not a.keep_checkpoint:  # 1.7 GB each at 130M, and the curves are what is kept
+            for p in glob.glob(os.path.join(a.runs, f"gdn_half_s{s}", "ckpt*")):
+                os.remove(p)
+
+
+def evidence_spread(a):
+    """The seed spread of the evidence runs (realtext_seeds.json beside the results), for scale: the
+    std over seeds of GDN's and PRISM's final val loss and of their paired difference (None with
+    fewer than two seeds)."""
+    ev = read_json(os.path.join(a.results, "realtext_seeds.json"))
+    if not ev or ev.get("tiny") != a.tiny:
+        return None
+    per, diff = ev["per_model"], ev["differences"].get(f"prism − {BASELINE}", {})
+    return {"file": "realtext_seeds.json", "date_utc": ev["date_utc"], "gpus": ev["gpus"],
+            "train_tokens": ev["train_tokens"],
+            "gdn_final_std": per.get("gdn", {}).get("final_val_loss", {}).get("std"),
+            "prism_final_std": per.get("prism", {}).get("final_val_loss", {}).get("std"),
+            "prism_minus_gdn_final": diff.get("final_val_loss", {}).get("mean"),
+            "prism_minus_gdn_final_std": diff.get("final_val_loss", {}).get("std"),
+            "seeds": ev["seeds"], "complete": ev["complete"]}
+
+
+def upcycle_summary(a, data_rec):
+    runs = upcycle_plan(a, "half")[0] + upcycle_plan(a, "continue")[0]
+    recipe = upcycle_plan(a, "continue")[1]
+    step_tokens = tokens_per_step(runs[0][2])
+    half_tokens, full_tokens = a.steps // 2 * step_tokens, a.steps * step_tokens
+    rows = []
+    for name, s, argv in runs:
+        st = read_json(os.path.join(a.runs, f"{name}_s{s}", "run.json"))
+        if st is None:
+            continue
+        train_recs, val_recs = read_log(os.path.join(a.runs, f"{name}_s{s}", "log.jsonl"))
+        end = max_iters_of(argv)
+        val = {r["iter"]: r["val_loss"] for r in val_recs}
+        ok = st["finished"] and st["fingerprint"] == fingerprint(argv, data_rec)
+        tok_s = [r["tok_s"] for r in train_recs[len(train_recs) // 4:]]  # past compilation
+        rows.append({"run": name, "model": UPCYCLE_RUNS[name], "seed": s, "finished": ok,
+                     "params": count_params(argv),
+                     "final_val_loss": val.get(end) if ok else None,
+                     "start_val_loss": val.get(a.steps // 2), "val_curve": [[r["tokens"], r["val_loss"]] for r in val_recs],
+                     "tokens_per_s": round(statistics.median(tok_s)) if tok_s else None,
+                     "wall_s": st["wall_s"], "exit_code": st["exit_code"], "gpu_name": st.get("gpu_name")})
+    by = {(r["run"], r["seed"]): r for r in rows if r["finished"]}
+    seeds = [s for s in a.seeds if all((n, s) in by for n in UPCYCLE_RUNS)]
+    pairs = []
+    for s in seeds:
+        g, p, h = by[("gdn_cont", s)], by[("prism_up", s)], by[("gdn_half", s)]
+        gc, pc = dict(map(tuple, g["val_curve"])), dict(map(tuple, p["val_curve"]))
+        pairs.append({"seed": s, "half_val_loss": h["final_val_loss"],
+                      "start_gap": p["start_val_loss"] - h["final_val_loss"],  # the upcycled model's first eval
+                      "gdn_final": g["final_val_loss"], "prism_final": p["final_val_loss"],
+                      "diff_final": p["final_val_loss"] - g["final_val_loss"],
+                      "diff_curve": [[t, pc[t] - gc[t]] for t in sorted(set(gc) & set(pc))]})
+    m, sd, n = mean_std([x["diff_final"] for x in pairs])
+    spread = evidence_spread(a)
+    lines = [f"| seed | GDN @ {fmt_tokens(half_tokens)} | upcycled PRISM's first eval − GDN's | "
+             f"GDN continued @ {fmt_tokens(full_tokens)} | upcycled PRISM @ {fmt_tokens(full_tokens)} | PRISM − GDN |",
+             "|---|---|---|---|---|---|"]
+    for x in pairs:
+        lines.append(f"| {x['seed']} | {x['half_val_loss']:.4f} | {x['start_gap']:+.1e} | {x['gdn_final']:.4f} | "
+                     f"{x['prism_final']:.4f} | {x['diff_final']:+.4f} |")
+    if m is None:
+        sentence = "no seed has all three runs finished."
+    else:
+        scale = spread and spread.get("prism_minus_gdn_final_std") or spread and spread.get("gdn_final_std")
+        sentence = (f"upcycled PRISM − GDN continued at {fmt_tokens(full_tokens)} tokens: {fmt(m, sd, n, 4, True)} nats"
+                    + (f"; the evidence runs' seed spread ({'paired PRISM − GDN' if spread.get('prism_minus_gdn_final_std') else 'GDN'}"
+                       f" final val loss, std over {len(spread['seeds'])} seeds) is {scale:.4f} nats"
+                       if scale else "; no seed spread from the evidence runs yet (fewer than two seeds there)"))
+    table = "\n".join(lines) + "\n\n- " + sentence
+    out = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "command": "python bench/realtext_seeds.py " + " ".join(sys.argv[1:]), "git_commit": git_commit(),
+           "tiny": a.tiny, "gpus": sorted({r["gpu_name"] for r in rows if r["gpu_name"]}) or gpu_names(),
+           "versions": versions(), "seeds": a.seeds, "steps": a.steps, "recipe": recipe,
+           "train_args": a.train_args, "tokens_per_step": step_tokens, "half_tokens": half_tokens,
+           "train_tokens": full_tokens, "data": data_rec,
+           "complete": len(seeds) == len(a.seeds), "rows": rows, "pairs": pairs,
+           "prism_minus_gdn_final": {"mean": m, "std": sd, "n": n}, "evidence_spread": spread, "table_md": table}
+    os.makedirs(a.results, exist_ok=True)
+    path = os.path.join(a.results, "realtext_upcycle.json")
+    write_json(path, out)
+    title = (f"{'tiny ' if a.tiny else 'GDN-130M '}to {fmt_tokens(half_tokens)} tokens, then GDN or upcycled "
+             f"PRISM to {fmt_tokens(full_tokens)}; seeds {' '.join(map(str, a.seeds))}")
+    upcycle_plot(out, os.path.join(a.results, "realtext_upcycle.png"), title)
+    print(f"\n{title}\n\n{table}\n\nwrote {path} and realtext_upcycle.png", flush=True)
+    return out
+
+
+def upcycle_plot(res, path, title):
+    """Left: val loss against tokens: the GDN to half way, then its two continuations (each seed).
+    Right: upcycled PRISM − GDN continued against tokens, with +- the evidence runs' seed spread."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 5))
+    colors = {"gdn_half": "0.4", "gdn_cont": "C0", "prism_up": "C1"}
+    labels = {"gdn_half": "GDN, first half", "gdn_cont": "GDN continued", "prism_up": "PRISM upcycled from it"}
+    lo, seen = [], set()
+    for r in res["rows"]:
+        xs, ys = [t / 1e6 for t, _ in r["val_curve"]], [v for _, v in r["val_curve"]]
+        ax.plot(xs, ys, color=colors[r["run"]], lw=1.4, marker=".", ms=3,
+                label=None if r["run"] in seen else labels[r["run"]])
+        seen.add(r["run"])
+        lo += ys[len(ys) // 3:] if r["run"] == "gdn_half" else ys
+    if lo:
+        span = max(lo) - min(lo)
+        ax.set_ylim(min(lo) - 0.1 * span - 0.02, max(lo) + 0.3 * span + 0.02)
+    for z in (ax, bx):
+        z.axvline(res["half_tokens"] / 1e6, color="0.6", ls=":", lw=1)
+        z.set_xlabel("training tokens (M)")
+        z.grid(alpha=0.3)
+    ax.set_ylabel("val loss (nats/token)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    for x in res["pairs"]:
+        bx.plot([t / 1e6 for t, _ in x["diff_curve"]], [d for _, d in x["diff_curve"]], color="C1", lw=1.4,
+                marker=".", ms=3, label=f"seed {x['seed']}")
+    bx.axhline(0, color="C0", lw=1)
+    sp = res["evidence_spread"] or {}
+    band = sp.get("prism_minus_gdn_final_std") or sp.get("gdn_final_std")
+    if band:
+        bx.axhspan(-band, band, color="C0", alpha=0.15, label=f"± evidence runs' seed spread ({band:.3f})")
+    bx.set_ylabel("upcycled PRISM − GDN continued (nats)")
+    bx.set_title("the difference, same checkpoint, data and schedule", fontsize=9)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())
+
+
+# -----------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -670,7 +868,12 @@ def main(argv=None):
                     help="all = prepare (if not yet), train, summary; pack = build --pack (CPU, once)")
     ap.add_argument("--tiny", action="store_true", help="tiny CPU configs and a few steps: a smoke test")
     ap.add_argument("--models", nargs="+", default=MODELS, choices=MODELS, help="models to run")
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="initialisation seeds")
+    ap.add_argument("--seeds", nargs="+", type=int, default=None,
+                    help="initialisation seeds (default 0 1 2; 0 with --upcycle)")
+    ap.add_argument("--upcycle", action="store_true", help="GDN to half the steps, then from its checkpoint "
+                    "the other half as GDN and as upcycled PRISM (results: realtext_upcycle.json/.png)")
+    ap.add_argument("--keep_checkpoint", action="store_true",
+                    help="--upcycle: keep the half-way GDN checkpoint once both continuations finished")
     ap.add_argument("--steps", type=int, default=None,
                     help=f"training steps (default {STEPS}; {TINY_STEPS} with --tiny)")
     ap.add_argument("--eval_interval", type=int, default=None,
@@ -701,13 +904,15 @@ def main(argv=None):
         names = realtext_corpus.packages_of(list(realtext_corpus.SOURCES)) if a.packages else realtext_corpus.SOURCES
         print(" ".join(names))
         return None
+    a.seeds = a.seeds or ([0] if a.upcycle else [0, 1, 2])
     a.steps = a.steps or (TINY_STEPS if a.tiny else STEPS)
     a.eval_interval = a.eval_interval or (1 if a.tiny else max(1, a.steps // 20))
     if a.steps % 2 or (a.steps // 2) % a.eval_interval:
         ap.error(f"--eval_interval {a.eval_interval} must divide half of --steps {a.steps}, "
                  "so that the half-way point is evaluated")
     a.run_timeout = a.run_timeout or (300 if a.tiny else 1800)
-    a.runs = os.path.abspath(a.runs or (rel("out", "realtext_seeds_tiny") if a.tiny else rel("bench", "results", "realtext_seeds")))
+    name = "realtext_upcycle" if a.upcycle else "realtext_seeds"
+    a.runs = os.path.abspath(a.runs or (rel("out", f"{name}_tiny") if a.tiny else rel("bench", "results", name)))
     a.results = os.path.abspath(a.results or (a.runs if a.tiny else rel("bench", "results")))
     a.data, a.pack, a.src = map(os.path.abspath, (a.data, a.pack, a.src))  # train.py runs in the repo root
     if len(set(a.seeds)) != len(a.seeds) or len(set(a.models)) != len(a.models):
@@ -720,6 +925,10 @@ def main(argv=None):
     if a.phase == "prepare":
         return None
     data_rec = data_record(a, required=a.phase != "summary") or {}
+    if a.upcycle:
+        if a.phase in ("all", "train"):
+            upcycle_train(a, data_rec)
+        return upcycle_summary(a, data_rec)
     if a.phase in ("all", "train"):
         train_all(a, data_rec)
     return summary(a, data_rec)

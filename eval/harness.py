@@ -76,15 +76,16 @@ class PrismLM(TemplateLM):
                  max_gen_toks=256, backend=None, tokenizer_path=None):
         super().__init__()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        meta = None
         if model is None:
             if ckpt is None:
                 raise ValueError("PrismLM needs a model or a ckpt path")
             from checkpoint import load_model
-            model, _ = load_model(ckpt, device, backend=backend)
+            model, meta = load_model(ckpt, device, backend=backend)
         if tokenizer is None:
-            from export_hf import exported_tokenizer  # an exported directory carries its tokenizer
+            from export_hf import exported_tokenizer  # the model's own: its directory's, or its data's
             from tokenizer import load_tokenizer
-            tokenizer = load_tokenizer(tokenizer_path or (exported_tokenizer(ckpt) if ckpt else None))
+            tokenizer = load_tokenizer(tokenizer_path or (exported_tokenizer(ckpt, meta) if ckpt else None))
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         if vocab is not None and tokenizer.vocab_size > vocab:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}")

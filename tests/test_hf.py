@@ -576,8 +576,8 @@ def test_read_exported_errors_name_the_file(exports, tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     with pytest.raises(ValueError, match=r"config\.json.*model_type is 'llama'"):
         read_exported(str(d))
-    (d / "config.json").write_text(json.dumps({**cfg, "n_embd": 33}))
-    with pytest.raises(ValueError, match=r"config\.json.*n_embd"):
+    (d / "config.json").write_text(json.dumps({**cfg, "solver_keys": "nope"}))
+    with pytest.raises(ValueError, match=r"config\.json.*solver_keys"):
         read_exported(str(d))
     (d / "config.json").write_text(json.dumps(cfg))
     t = json.loads((d / "tokenizer.json").read_text())

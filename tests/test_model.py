@@ -209,7 +209,10 @@ def test_parameter_budget_130m():
 
 
 @pytest.mark.parametrize("bad", [dict(mixer="mamba"), dict(solver_keys="x"),
-                                 dict(attn_layers=[99]), dict(solver_steps=0)])
+                                 dict(attn_layers=[99]), dict(solver_steps=0),
+                                 # attention splits the width into heads (GDN/PRISM alone need not)
+                                 dict(n_embd=64, n_head=3, attn_layers=[0]),
+                                 dict(mixer="attention", n_embd=64, n_head=3)])
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         ModelConfig(**bad)

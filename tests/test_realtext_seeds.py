@@ -201,3 +201,43 @@ def test_deadline_stops_a_run_cleanly(tmp_path):
     assert "(0 of 1 runs finished)" in p.stdout
     res = json.loads((tmp_path / "runs" / "realtext_seeds.json").read_text())
     assert not res["complete"] and res["rows"][0]["final_val_loss"] is None
+
+
+@pytest.mark.slow
+def test_upcycle_tiny(tmp_path):
+    """--upcycle: GDN to half the steps (on the full run's schedule, its checkpoint saved), then from
+    that checkpoint the other half as GDN and as upcycled PRISM; the PRISM's first evaluation is the
+    GDN's; the checkpoint goes once both continuations finished; a repeat skips all three."""
+    d = tmp_path / "data" / "realtext_seeds"
+    d.mkdir(parents=True)
+    _bin(d / "train.bin", 20000, 0)
+    _bin(d / "val.bin", 2000, 1)
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 32000, "eos_id": 2}))
+    runs = tmp_path / "runs"
+
+    def run():
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "realtext_seeds.py"), "--tiny", "--upcycle",
+                            "--lanes=2", f"--data={tmp_path / 'data'}", f"--runs={runs}", f"--pack={tmp_path / 'nopack'}"],
+                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p.stdout
+    run()
+    half_log = (runs / "gdn_half_s0" / "train.log").read_text()
+    assert "--max_iters=2" in half_log and "--lr_decay_iters=4" in half_log and "--save_checkpoints=True" in half_log
+    up_log = (runs / "prism_up_s0" / "train.log").read_text()
+    assert "upcycling the GDN" in up_log and "continuing the run of" in up_log and "--init_continue=True" in up_log
+    assert not list((runs / "gdn_half_s0").glob("ckpt*"))
+    res = json.loads((runs / "realtext_upcycle.json").read_text())
+    assert res["complete"] and res["steps"] == 4 and len(res["pairs"]) == 1
+    pair = res["pairs"][0]
+    assert abs(pair["start_gap"]) < 1e-5, pair
+    by = {r["run"]: r for r in res["rows"]}
+    assert [t for t, _ in by["gdn_half"]["val_curve"]] == [0, 512, 1024]
+    for name in ("gdn_cont", "prism_up"):
+        assert [t for t, _ in by[name]["val_curve"]] == [1024, 1536, 2048] and by[name]["finished"]
+    assert pair["diff_final"] == by["prism_up"]["final_val_loss"] - by["gdn_cont"]["final_val_loss"]
+    assert by["prism_up"]["params"] > by["gdn_cont"]["params"] == by["gdn_half"]["params"]
+    assert (runs / "realtext_upcycle.png").stat().st_size > 10_000
+    out = run()
+    assert "1 runs (1 already finished)" in out and "2 runs (2 already finished)" in out and "start" not in out
