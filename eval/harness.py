@@ -286,14 +286,15 @@ def task_manager(tasks, include_path=None, include_defaults=True, tasks_dir=None
     elif not task_data.hub_reachable():
         task_data.go_offline()
         offline = True
-        if not include_path:  # built-in tasks: their YAMLs are found without lm-eval's scan
-            task_data.check_cache(tasks)
+    known = [] if include_path else [t for t in tasks if t in task_data.TASK_YAMLS]
+    if offline:  # the default tasks' YAMLs are found without lm-eval's scan: checked before it
+        task_data.check_cache(known)
     tm = TaskManager(include_path=include_path, include_defaults=include_defaults)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown}; check --tasks / --include_path")
-    if offline and include_path:
-        task_data.check_cache(tasks, tm)
+    if offline:
+        task_data.check_cache([t for t in tasks if t not in known], tm)
     return tm
 
 

@@ -65,8 +65,9 @@ def lm_eval_tasks_dir():
 
 
 def task_yaml(task, tm=None):
-    """(path of lm-eval's YAML for a built-in task, that path relative to lm_eval/tasks/).
-    tm: a TaskManager to ask for tasks outside TASK_YAMLS (None: build one, the slow scan)."""
+    """(path of the task's YAML, that path relative to lm_eval/tasks/ or None if outside it).
+    tm: the TaskManager whose index decides (it may hold --include_path tasks); None: TASK_YAMLS,
+    or for other tasks a TaskManager built here (lm-eval's slow scan)."""
     root = lm_eval_tasks_dir()
     if task in TASK_YAMLS and tm is None:
         return os.path.join(root, TASK_YAMLS[task]), TASK_YAMLS[task]
@@ -183,7 +184,12 @@ def fetch(out_dir, tasks, tm=None):
             raise ValueError(f"{task}: {path} is not one of lm-eval's own tasks; copy its data by hand")
         ds_path, name, kwargs = dataset_of(task, read_task_yaml(path))
         print(f"{task}: {describe(ds_path, name)}", flush=True)
-        write_task(out_dir, task, datasets.load_dataset(ds_path, name, **kwargs), rel)
+        try:
+            ds = datasets.load_dataset(ds_path, name, **kwargs)
+        except (ConnectionError, FileNotFoundError) as e:  # no hub, and not in the cache
+            raise TaskDataMissing(f"{task}: dataset {describe(ds_path, name)} is neither reachable "
+                                  f"nor in the local datasets cache ({e})") from e
+        write_task(out_dir, task, ds, rel)
     print(f"wrote {len(tasks)} task(s) into {out_dir}; score with: python eval/harness.py "
           f"--ckpt CKPT --tasks_dir {out_dir}")
 
@@ -325,9 +331,12 @@ def main(argv=None):
         unknown = [t for t in tasks if t not in tm.all_tasks]
         if unknown:
             p.error(f"unknown lm-eval task(s) {unknown}")
+    if not hub_reachable():  # what the local datasets cache holds can still be copied
+        print("the hub is out of reach: copying from the local datasets cache", flush=True)
+        go_offline()
     try:
         fetch(args.out_dir, tasks, tm)
-    except ValueError as e:
+    except (TaskDataMissing, ValueError) as e:
         sys.exit(f"error: {e}")
 
 

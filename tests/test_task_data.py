@@ -165,6 +165,15 @@ def test_fetch_loads_the_dataset_each_yaml_names(tmp_path, monkeypatch, capsys):
     assert f"--tasks_dir {tmp_path / 'copy'}" in capsys.readouterr().out
     task_data.check_copy(str(tmp_path / "copy"), ["piqa", "arc_challenge"])
 
+    def offline(path, name=None, **kwargs):
+        raise ConnectionError(f"Couldn't reach {path!r} on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(SystemExit, match=r"^error: sciq: dataset 'allenai/sciq' is neither reachable "
+                                         r"nor in the local datasets cache \(Couldn't reach"):
+        task_data.main([str(tmp_path / "other"), "--tasks", "sciq"])
+    assert not (tmp_path / "other").exists()
+
 
 # ------------------------------------------------------------------ scoring from the copy
 def test_scoring_from_the_copy_gives_every_tasks_numbers(copy_dir, ckpt, tmp_path, monkeypatch):
