@@ -74,10 +74,11 @@ def task_yaml(task, tm=None):
     if tm is None:
         from lm_eval.tasks import TaskManager
         tm = TaskManager()
-    entry = tm.task_index.get(task)
-    if entry is None or entry.yaml_path is None:
+    entry = tm.task_index.get(task)  # an Entry; in older lm-eval a dict (-1: no YAML)
+    found = entry.get("yaml_path") if isinstance(entry, dict) else getattr(entry, "yaml_path", None)
+    if not isinstance(found, (str, os.PathLike)):
         raise ValueError(f"{task}: not an lm-eval task defined by a YAML file")
-    path = os.path.abspath(str(entry.yaml_path))
+    path = os.path.abspath(found)
     rel = os.path.relpath(path, root)
     return path, (None if rel.startswith("..") else rel)
 
