@@ -3,12 +3,17 @@ Score a checkpoint with lm-evaluation-harness (its own API and task definitions)
 
     python eval/harness.py --ckpt out/prism_130m/ckpt.pt                    # all default tasks
     python eval/harness.py --ckpt out/prism_130m/ckpt.pt --tasks wikitext,lambada_openai --limit 200
+    python eval/harness.py --ckpt hf/prism_130m                             # a directory of export_hf.py
     python eval/compare.py out/*/eval.json                                 # side by side
+  offline: fetch the tasks' data where the hub is reachable, score from that folder anywhere
+    python eval/task_data.py data/eval_tasks
+    python eval/harness.py --ckpt out/prism_130m/ckpt.pt --tasks_dir data/eval_tasks
 
 Default tasks: wikitext (word perplexity), lambada_openai (perplexity and accuracy) and the
 zero-shot set lambada_openai, piqa, hellaswag, winogrande, arc_easy, arc_challenge, boolq,
-openbookqa, sciq. Results go to --output (default: eval.json next to the checkpoint) together
-with a markdown table in the paper's layout (also printed, and written next to it as .md).
+openbookqa, sciq. Results go to --output (default: eval.json next to the checkpoint, or inside an
+exported directory) together with a markdown table in the paper's layout (also printed, and
+written next to it as .md).
 
 Why a registered lm-eval `LM` subclass beside the transformers export (export_hf.py, which
 lm-eval's own `hf` model can score too): our model is one nn.Module with its own recurrent
@@ -36,6 +41,7 @@ generate_until decodes with model.generate (greedy unless a task samples), then 
 import argparse
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -53,12 +59,12 @@ from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from eval import task_data  # noqa: E402
 from eval.compare import results_table  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 from fileio import atomic_write  # noqa: E402
 
-DEFAULT_TASKS = ["wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy",
-                 "arc_challenge", "boolq", "openbookqa", "sciq"]
+DEFAULT_TASKS = list(task_data.TASK_YAMLS)  # wikitext, lambada_openai and the zero-shot set
 
 
 @register_model("prism")
@@ -267,24 +273,61 @@ class PrismLM(TemplateLM):
         return out
 
 
-def evaluate(lm, tasks, include_path=None, include_defaults=True, limit=None, log_samples=False,
-             bootstrap_iters=1000):
-    """Run lm-eval's simple_evaluate on our LM; returns lm-eval's results dict."""
+def task_manager(tasks, include_path=None, include_defaults=True, tasks_dir=None):
+    """lm-eval's TaskManager for `tasks`, once each task's data is known to be readable here
+    (task_data.TaskDataMissing names those that are not, before lm-eval starts):
+      * tasks_dir: a copy written by eval/task_data.py; its files are checked, its task YAMLs
+        indexed alone and the hub switched off;
+      * else, when the hub does not answer, the hub is switched off (no retries) and the local
+        datasets cache must hold every task's dataset."""
+    offline = False
+    if tasks_dir is not None:
+        include_path, include_defaults = task_data.copy_yamls(tasks_dir, tasks), False
+        task_data.go_offline()
+    elif not task_data.hub_reachable():
+        task_data.go_offline()
+        offline = True
+    known = [] if include_path else [t for t in tasks if t in task_data.TASK_YAMLS]
+    if offline:  # the default tasks' YAMLs are found without lm-eval's scan: checked before it
+        task_data.check_cache(known)
     tm = TaskManager(include_path=include_path, include_defaults=include_defaults)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {unknown}; check --tasks / --include_path")
+    if offline:
+        task_data.check_cache([t for t in tasks if t not in known], tm)
+    return tm
+
+
+class _DropDefaultsNotes(logging.Filter):
+    """lm-eval warns, for every task and metric, that a metric's aggregation or direction is its
+    default: true of most tasks, and the news that matters drowns in it."""
+
+    def filter(self, record):
+        msg = record.getMessage()
+        return not ("but aggregation is not" in msg or "but higher_is_better is not" in msg)
+
+
+logging.getLogger("lm_eval.api.task").addFilter(_DropDefaultsNotes())
+
+
+def evaluate(lm, tasks, include_path=None, include_defaults=True, tasks_dir=None, limit=None,
+             log_samples=False, bootstrap_iters=1000, tm=None):
+    """Run lm-eval's simple_evaluate on our LM; returns lm-eval's results dict. tm: a TaskManager
+    from task_manager() (default: one built here from include_path / include_defaults / tasks_dir)."""
+    tm = tm or task_manager(tasks, include_path, include_defaults, tasks_dir)
     try:
         return simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
                                log_samples=log_samples, bootstrap_iters=bootstrap_iters)
     except Exception as e:
         if not _unreachable(e):
             raise
-        missing = unreachable_datasets(tm, tasks)
-        raise DatasetsUnreachable(missing, e) from e
+        raise task_data.TaskDataMissing(
+            f"a dataset could not be reached ({e}); fetch the tasks' data where the hub is "
+            f"reachable ({task_data.fetch_command('DIR', tasks)}) and score with "
+            "--tasks_dir DIR") from e
 
 
-# ---- offline: which tasks' datasets are out of reach, and how to fill the cache
 _UNREACHABLE = {"ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectError",
                 "ConnectTimeout", "ReadTimeout", "Timeout"}
 
@@ -301,72 +344,6 @@ def _unreachable(e):
     return False
 
 
-def unreachable_datasets(tm, tasks):
-    """The tasks whose dataset cannot be loaded now, as [(task, path, config name, other kwargs)].
-
-    lm-eval loads a task's dataset (datasets.load_dataset) when it builds the task, and stops at
-    the first failure; here every task is built alone, its load_dataset call recorded. The hub is
-    switched off meanwhile: it already failed once, and a dataset in the local cache loads
-    without it, so nothing waits on network retries."""
-    import datasets
-    import huggingface_hub.constants as hub_constants
-    from lm_eval.tasks import get_task_dict
-    calls, real = [], datasets.load_dataset
-
-    def recorded(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real(*args, **kwargs)
-
-    saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
-    datasets.load_dataset = recorded
-    datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
-    missing = []
-    try:
-        for t in tasks:
-            calls.clear()
-            try:
-                tm.load([t]) if hasattr(tm, "load") else get_task_dict([t], tm)
-            except Exception as e:
-                if not (_unreachable(e) and calls):
-                    raise
-                args, kw = calls[-1]
-                kw = dict(kw)
-                path = kw.pop("path", args[0] if args else None)
-                name = kw.pop("name", args[1] if len(args) > 1 else None)
-                missing.append((t, path, name, kw))
-    finally:
-        datasets.load_dataset = real
-        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
-    return missing
-
-
-def fill_command(path, name=None, kwargs=None):
-    """The command that puts one dataset into the local datasets cache (run where the hub is reachable)."""
-    args = ", ".join([repr(path)] + ([repr(name)] if name is not None else [])
-                     + [f"{k}={v!r}" for k, v in (kwargs or {}).items()])
-    return f'python -c "import datasets; datasets.load_dataset({args})"'
-
-
-class DatasetsUnreachable(Exception):
-    """Some tasks' datasets are neither on a reachable hub nor in the local cache: one line per
-    task with the dataset and the command that fills the cache, then where the cache is."""
-
-    def __init__(self, missing, cause=None):
-        import huggingface_hub.constants as hub_constants
-        self.missing = missing
-        lines = [f"{len(missing)} task(s) have no dataset here (the hub is offline or out of reach, "
-                 "and the local cache lacks them):"]
-        if not missing:  # the failure did not repeat when each task was built alone
-            lines = [f"a dataset could not be reached: {cause}"]
-        for task, path, name, kw in missing:
-            what = f"{path!r}" + (f" (config {name!r})" if name is not None else "")
-            lines.append(f"  {task}: cannot reach dataset {what}; fill the cache: {fill_command(path, name, kw)}")
-        lines.append(f"Run those once where the hub is reachable, with HF_HOME set to the cache this machine "
-                     f"reads ({hub_constants.HF_HOME}), or copy that folder here afterwards; then set "
-                     f"HF_DATASETS_OFFLINE=1. --debug shows the traceback.")
-        super().__init__("\n".join(lines))
-
-
 def _parse_limit(s):
     if s is None:
         return None
@@ -378,11 +355,14 @@ def _parse_limit(s):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\nOn a CUDA GPU when there is one "
+    p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]) + "\n\nOn a CUDA GPU when there is one "
                                 "(bf16), else on the CPU (float32). Writes --output and a .md table beside it.",
                                 formatter_class=HelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt)")
+    p.add_argument("--ckpt", required=True,
+                   help="checkpoint file (out_dir/ckpt.pt) or a directory written by export_hf.py")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma list of lm-eval tasks")
+    p.add_argument("--tasks_dir", default=None,
+                   help="read every task's data from this copy (written by eval/task_data.py), hub off")
     p.add_argument("--include_path", default=None, help="extra folder of task YAMLs")
     p.add_argument("--only_include_path", action="store_true",
                    help="index only --include_path tasks (skips lm-eval's ~15 s scan of its own)")
@@ -390,8 +370,10 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--limit", type=_parse_limit, default=None,
                    help="examples per task (a fraction if < 1; default: all); for smoke tests only")
-    p.add_argument("--output", default=None, help="results JSON (default: eval.json beside --ckpt)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's Mistral model)")
+    p.add_argument("--output", default=None,
+                   help="results JSON (default: eval.json in the checkpoint's folder, or in the exported directory)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file (default: an exported directory's "
+                   "tokenizer.model, else tokenizer.py's Mistral model)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="autocast dtype on CUDA (CPU runs float32)")
     p.add_argument("--max_length", type=int, default=None, help="context window (default: the model's block_size)")
@@ -403,7 +385,8 @@ def main(argv=None):
                    help="document-start token id (default: the tokenizer's EOS, train.bin's separator)")
     p.add_argument("--bootstrap_iters", type=int, default=1000, help="for stderr; 0 = none")
     p.add_argument("--log_samples", action="store_true", help="keep per-example records in the JSON")
-    p.add_argument("--label", default=None, help="row label in the table (default: the ckpt's folder name)")
+    p.add_argument("--label", default=None,
+                   help="row label in the table (default: the name of that folder or exported directory)")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     args = p.parse_args(argv)
     if args.batch_size < 1:
@@ -413,27 +396,32 @@ def main(argv=None):
         p.error("--tasks is empty")
     if args.only_include_path and not args.include_path:
         p.error("--only_include_path needs --include_path")
+    if args.tasks_dir and args.include_path:
+        p.error("--tasks_dir reads every task from the copy; leave out --include_path")
     try:
         return score(args, tasks)
-    except (DatasetsUnreachable, FileNotFoundError, ValueError) as e:  # bad input or no dataset:
-        if args.debug:                                                 # the message, not a traceback
+    except (task_data.TaskDataMissing, FileNotFoundError, ValueError) as e:  # bad input or no data:
+        if args.debug:                                            # the message, not a traceback
             raise
         sys.exit(f"error: {e}")
 
 
 def score(args, tasks):
+    # the tasks' data first: a missing dataset is a message in seconds, before a model loads
+    tm = task_manager(tasks, args.include_path, not args.only_include_path, args.tasks_dir)
     lm = PrismLM(ckpt=args.ckpt, device=args.device, batch_size=args.batch_size,
                  max_length=args.max_length, dtype=args.dtype, add_prefix=not args.no_prefix,
                  prefix_token_id=args.prefix_id, backend=args.backend, tokenizer_path=args.tokenizer)
     t0 = time.time()
-    out = evaluate(lm, tasks, include_path=args.include_path,
-                   include_defaults=not args.only_include_path, limit=args.limit,
-                   log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters)
+    out = evaluate(lm, tasks, tm=tm, limit=args.limit, log_samples=args.log_samples,
+                   bootstrap_iters=args.bootstrap_iters)
     elapsed = time.time() - t0
-    label = args.label or os.path.basename(os.path.dirname(os.path.abspath(args.ckpt)))
+    ckpt = os.path.abspath(args.ckpt)
+    run_dir = ckpt if os.path.isdir(ckpt) else os.path.dirname(ckpt)  # an exported directory is its own
+    label = args.label or os.path.basename(run_dir)
     table = results_table([(label, out["results"])])
     record = {
-        "label": label, "ckpt": os.path.abspath(args.ckpt), "tasks": tasks, "limit": args.limit,
+        "label": label, "ckpt": ckpt, "tasks": tasks, "limit": args.limit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if lm.device.type == "cuda" else "cpu",
         "dtype": args.dtype if lm.device.type == "cuda" else "float32",
@@ -444,7 +432,7 @@ def score(args, tasks):
     }
     if args.log_samples:
         record["samples"] = out.get("samples")
-    path = args.output or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
+    path = args.output or os.path.join(run_dir, "eval.json")
     atomic_write(path, json.dumps(record, indent=2, default=lm_utils.handle_non_serializable))
     atomic_write(os.path.splitext(path)[0] + ".md", table)
     print(lm_utils.make_table(out))

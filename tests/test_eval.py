@@ -10,7 +10,8 @@ include_path (built-in tasks not indexed). Checked:
     on paper;
   * batching with right padding changes nothing; empty contexts, truncation and generate_until;
   * checkpoint loading and its errors; the CLI, the results JSON and eval/compare.py;
-  * a task whose hub dataset is not in the cache is named, with the command that fills it.
+  * a task whose hub dataset is not in the cache is named, with the command that fetches a copy
+    (the copy itself: tests/test_task_data.py).
 """
 import json
 import math
@@ -521,10 +522,10 @@ def _dataset_of(yaml_path):
     return kv["dataset_path"], (None if kv.get("dataset_name") in (None, "", "null") else kv["dataset_name"])
 
 
-def test_offline_names_each_task_its_dataset_and_the_fill_command(tmp_path):
-    """Offline, empty cache: one line per task whose hub dataset is missing, naming the task, the
-    dataset and the command that fills the cache; nothing for a task that loads (local data); no
-    traceback unless --debug. HF_*_OFFLINE make datasets fail at once instead of retrying."""
+def test_offline_names_each_task_its_dataset_and_the_fetch_command(tmp_path):
+    """Offline, empty cache: one line per task whose hub dataset is missing, naming the task and
+    the dataset, then the command that fetches a copy; nothing for a task that loads (local data);
+    no traceback unless --debug. HF_*_OFFLINE make datasets fail at once instead of retrying."""
     tok_path = _mistral_tokenizer_path()
     if tok_path is None:
         pytest.skip("mistral-common not installed")
@@ -546,21 +547,22 @@ def test_offline_names_each_task_its_dataset_and_the_fill_command(tmp_path):
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    lines = [ln for ln in p.stderr.splitlines() if ": cannot reach dataset " in ln]
+    assert p.stderr.startswith("error: 2 task(s) have no data here"), p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.endswith(" is not in the cache")]
     assert len(lines) == 2, p.stderr[-3000:]
     for line, task, yaml in zip(lines, ("wikitext", "piqa"), ("wikitext.yaml", "piqa.yaml")):
         path, name = _dataset_of(tasks / yaml)
-        assert line.startswith(f"  {task}: ") and repr(path) in line, line
-        args = ", ".join(map(repr, [path] + ([name] if name else [])))
-        fill = f'python -c "import datasets; datasets.load_dataset({args})"'
-        assert line.endswith(fill), line
+        what = repr(path) + (f" (config {name!r})" if name else "")
+        assert line == f"  {task}: dataset {what} is not in the cache", line
+    assert "  python eval/task_data.py DIR --tasks wikitext,piqa\n" in p.stderr
+    assert "--tasks_dir DIR" in p.stderr
     assert "lambada_openai:" not in p.stderr
-    assert str(hf) in p.stderr and "HF_DATASETS_OFFLINE=1" in p.stderr
+    assert str(hf) in p.stderr
     assert not (tmp_path / "eval.json").exists()
 
     p = subprocess.run(cmd + ["--tasks", "piqa", "--debug"], env=env, capture_output=True, text=True,
                        timeout=300)
-    assert p.returncode != 0 and "Traceback" in p.stderr and "DatasetsUnreachable" in p.stderr, p.stderr[-3000:]
+    assert p.returncode != 0 and "Traceback" in p.stderr and "TaskDataMissing" in p.stderr, p.stderr[-3000:]
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ SCRIPTS = {
     "plot.py": ("main", []),
     "eval/harness.py": ("main", ["CUDA GPU"]),
     "eval/compare.py": ("main", []),
+    "eval/task_data.py": ("main", []),
     "eval/probes.py": ("main", ["CUDA GPU"]),
     "data/prepare_slimpajama.py": ("get_args", []),
     "bench/bench_eval.py": ("main", ["needs a CUDA GPU"]),
