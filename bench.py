@@ -108,7 +108,7 @@ def bench_model(model, B, T, vocab, device, flops_per_token, steps=10, warmup=3,
         opt.zero_grad(set_to_none=True)
 
     dt = time_steps(step, warmup, steps, device)
-    row = dict(B=B, T=T, step_ms=round(dt * 1e3, 2), ktok_s=round(B * T / dt / 1e3, 1),
+    row = dict(B=B, T=T, step_ms=round(dt * 1e3, 2), ktok_s=float(f"{B * T / dt / 1e3:.4g}"),
                params_M=round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                mfu=round(flops_per_token * B * T / dt / PEAK_FLOPS, 4))
     if device.type == "cuda":
