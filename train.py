@@ -9,10 +9,12 @@ checkpoints, and a loop that survives preemption, NaNs and bad input.
     python train.py config/prism_130m.py --init_from=resume  # the newest good checkpoint in out_dir
     python train.py --help                                   # every key, its default and meaning
 
-The file reads in the order a run goes: setup (processes, device, precision), data (memmaps and a
-resumable order), model and optimizer (fresh or resumed), the step, evaluation, checkpoints, then
-train(), the loop that strings them together. The log, the stop signals, the data checks and the
-advice on faults are in train_aids.py.
+train() comes first: setup, then the loop (evaluate and save, queue a step, read the one before).
+What it calls follows in the order a run goes: data (memmaps and a resumable order), model and
+optimizer (fresh or resumed), the step, evaluation, checkpoints. Beside it: train_env.py (the
+process group, device and precision), warm_start.py (--init_from another run's weights, a
+transformers or flash-linear-attention directory, upcycling GDN into PRISM) and train_aids.py
+(the log, the stop signals, the data checks and the advice on faults).
 """
 import math
 import os
@@ -27,94 +29,104 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (UPCYCLE_KEYS, CheckpointError, check_upcycle_args, list_checkpoints, load_checkpoint,
-                        load_full_into_sharded, load_latest_checkpoint, load_model, load_sharded, rng_state,
-                        save_checkpoint, save_sharded, set_rng_state, upcycle_state)
+from checkpoint import (CheckpointError, list_checkpoints, load_full_into_sharded, load_latest_checkpoint,
+                        load_sharded, rng_state, save_checkpoint, save_sharded, set_rng_state)
 from model import Model, ModelConfig
-from settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
+from settings import TRAIN_DEFAULTS, UserError, help_text, model_args_of, parse_config
 from train_aids import (DEMO_DATASET, RunLog, StopNow, StopSignals, announce, changed_keys, check_cpu_speed,
                         check_data, check_data_meta, check_resume_model_args, data_eos_id, fmt_time,
                         fmt_tokens, log_step, oom_error, prepare_demo_data, report_bad_step)
+from train_env import setup
+from warm_start import carry_optimizer_state, init_weights_from, start_state
 
 
 # -----------------------------------------------------------------------------------------------
-# setup: processes, device, precision
+# the run
 
-@dataclass
-class Env:
-    """Where this process runs: its rank among `world` ranks, its device and its precision."""
-    ddp: bool   # in a process group (DDP, or FSDP on any number of ranks)
-    rank: int
-    world: int
-    device: torch.device
-    dtype: str  # "float32" | "bfloat16" (autocast)
-    fsdp: bool = False  # weights, gradients and optimizer state sharded over the ranks
+def train(cfg):
+    """Setup, then the loop: evaluate (and save) every eval_interval iterations, queue a step, read
+    the one before it. The host reads each step's outcome one step late (StepResult), so the last
+    one is read before anything that must know it: a save, the end."""
+    env = setup(cfg)
+    model_args = model_args_of(cfg)
+    init = init_weights_from(cfg, env, model_args)
+    data = load_data(cfg, env, model_args)
+    model_args["eos_id"] = data_eos_id(data.meta, model_args)  # reset_at_eos cuts where the data does
+    raw_model, optimizer = build_model(cfg, env, model_args, init)
+    prog = start_or_resume(cfg, env, data, raw_model, optimizer, model_args)
+    if init is not None and init.optimizer is not None:  # init_continue: the source run's position
+        check_data_meta(data.meta, model_args, init.meta.get("data_meta"))
+        prog = progress_of(init.meta)
+        prog.best_val_loss = float("inf")  # another model from here on
+    del init  # the model holds those weights now
+    resumed_at = prog.iter_num if cfg["init_from"] == "resume" else None
+    model = wrap_model(raw_model, cfg, env)
+    runlog = RunLog(cfg, env, resumed_at)
+    stop = StopSignals(announce=env.master, under_torchrun="TORCHELASTIC_RUN_ID" in os.environ)
+    T = cfg["block_size"]
+    t_start, last_eval, oom, dt_avg = time.time(), resumed_at, False, None
 
-    @property
-    def master(self):
-        return self.rank == 0
+    def settle(res, force_log=False):
+        """Take in a queued step's outcome: count a skipped step (aborting after max_bad_steps in a
+        row), log it, and say whether some rank asked to stop."""
+        nonlocal dt_avg
+        loss, grad_norm, bad, stopping, dt = res.read()
+        dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+        if bad:
+            prog.skipped += 1
+            prog.bad_streak += 1
+            report_bad_step(prog, cfg, env, res.iter_num)  # raises after max_bad_steps in a row
+        else:
+            prog.bad_streak = 0
+        if (res.iter_num % cfg["log_interval"] == 0 or res.iter_num == cfg["max_iters"]
+                or stopping or force_log):
+            log_step(runlog, env, raw_model, cfg, prog, res, loss, grad_norm, dt, dt_avg)
+        return stopping
 
-    def log(self, *args, **kw):
-        if self.master:  # rank 0 alone prints
-            print(*args, **kw, flush=True)
-
-    def autocast(self):
-        if self.dtype == "float32":
-            return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-
-    def all_sum(self, t):
-        if self.ddp:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-
-def setup(cfg):
-    """Join the process group (under torchrun), pick the device and the precision."""
-    fsdp = cfg["fsdp"]
-    torchrun = int(os.environ.get("RANK", -1)) != -1
-    ddp = torchrun and (int(os.environ.get("WORLD_SIZE", 1)) > 1 or fsdp)
-    world = int(os.environ["WORLD_SIZE"]) if ddp else 1
-    G = cfg["gradient_accumulation_steps"]
-    if G % world:
-        raise UserError(f"gradient_accumulation_steps={G} (global) is not divisible by the "
-                        f"world size {world}; pick a multiple of {world}")
-    if cfg["cpu_threads"] > 0:
-        torch.set_num_threads(cfg["cpu_threads"])
-    want_cuda = cfg["device"].startswith("cuda") or (cfg["device"] == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise UserError(f"device={cfg['device']!r} but this torch ({torch.__version__}) sees no CUDA GPU; "
-                        f"use --device=cpu (and a small config, e.g. config/tiny_cpu.py)")
-    rank = 0
-    if ddp:
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-        device = torch.device(f"cuda:{local_rank}" if want_cuda else "cpu")
-        if want_cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if want_cuda else "gloo")
-    elif fsdp:  # `python train.py --fsdp=True`: FSDP over a process group of one
-        ddp = True
-        device = torch.device(("cuda" if want_cuda else "cpu") if cfg["device"] == "auto" else cfg["device"])
-        if device.type == "cuda":
-            device = torch.device("cuda", device.index or 0)
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    else:
-        device = torch.device("cuda" if cfg["device"] == "auto" and want_cuda else
-                              "cpu" if cfg["device"] == "auto" else cfg["device"])
-    dtype = cfg["dtype"] if cfg["dtype"] != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return Env(ddp, rank, world, device, dtype, fsdp)
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    stop.install()
+    try:
+        announce(cfg, env, raw_model)
+        check_cpu_speed(raw_model, cfg, env)
+        pending, stopping = None, False   # the step queued last: read once the next one is queued
+        while True:
+            final = prog.iter_num >= cfg["max_iters"]
+            evaluating = (prog.iter_num % cfg["eval_interval"] == 0 or final) and prog.iter_num != last_eval
+            # a save or the end must know every step's outcome first
+            if pending is not None and (evaluating or stopping or final):
+                stopping, pending = settle(pending, force_log=stopping) or stopping, None
+            if stopping:
+                env.log(f"received {stop.name or 'a stop signal on another rank'} at iter {prog.iter_num}: "
+                        f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}; exiting")
+                break
+            if evaluating:
+                last_eval = prog.iter_num
+                val = evaluate(raw_model, data, cfg, env)
+                env.log(f"iter {prog.iter_num}: val loss {val:.4f}")
+                runlog.write({"iter": prog.iter_num, "val_loss": val, "tokens": prog.data_pos * T})
+                improved = val < prog.best_val_loss
+                prog.best_val_loss = min(prog.best_val_loss, val)
+                if prog.iter_num > 0 and (improved or cfg["always_save_checkpoint"] or final):
+                    env.log(f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}")
+            if final:
+                break
+            queued = train_step(model, raw_model, optimizer, data, cfg, env, prog, stop.requested)
+            if pending is not None:  # the GPU holds the queued step while the host reads this one
+                stopping = settle(pending)
+            # one process needs no word from other ranks: stop after the step it was asked during
+            stopping = stopping or (not env.ddp and stop.requested)
+            pending = queued
+    except torch.OutOfMemoryError:
+        if env.device.type != "cuda":
+            raise
+        oom = True  # handled below, once the traceback (and the activations it holds) is gone
+    finally:
+        stop.restore()
+        runlog.close()
+    if oom:
+        raise oom_error(model, optimizer, cfg, env, prog.iter_num)
+    env.log(f"done at iter {prog.iter_num} ({fmt_tokens(prog.data_pos * T)} tokens) in "
+            f"{fmt_time(time.time() - t_start)}; best val loss {prog.best_val_loss:.4f}")
+    return prog.iter_num
 
 
 # -----------------------------------------------------------------------------------------------
@@ -205,22 +217,21 @@ class Progress:
     bad_streak: int = 0                 # ... in a row, up to now
 
 
+def progress_of(ckpt):
+    """The Progress a checkpoint records (its keys; a key it lacks keeps its default)."""
+    return Progress(**{k: ckpt[k] for k in asdict(Progress()) if k in ckpt})
+
+
 def build_model(cfg, env, model_args, init=None):
-    """The model (on its device, sharded under FSDP; `init`: an Init, the weights to start from) and
-    AdamW."""
+    """The model (on its device, sharded under FSDP; `init`: a warm_start.Init, the weights to start
+    from) and AdamW."""
     torch.manual_seed(cfg["seed"])  # same initial weights on every rank
     try:
         raw_model = Model(ModelConfig(**model_args), backend=cfg["backend"], chunk_size=cfg["chunk_size"])
     except (ValueError, TypeError) as e:
         raise UserError(str(e))
-    state = init.state if init is not None else None
-    if init is not None and init.upcycle:  # the fresh solver tensors, before the model moves or is sharded
-        try:
-            state, new = upcycle_state(raw_model.state_dict(), state, init.source)
-        except ValueError as e:
-            raise UserError(str(e))
-        env.log(f"upcycled: {len(state) - len(new)} GDN tensors copied, {len(new)} solver tensors new; "
-                f"gain_up = 0, so the solver writes are zero at step 0 (the GDN's logits) and learn from step 1")
+    # upcycling takes the fresh solver tensors, before the model moves or is sharded
+    state = start_state(init, raw_model.state_dict(), env.log) if init is not None else None
     raw_model = raw_model.to(env.device)
     raw_model.activation_checkpointing = cfg["activation_checkpointing"]
     raw_model.recompute_solver = cfg["recompute_solver"]
@@ -234,100 +245,9 @@ def build_model(cfg, env, model_args, init=None):
             load_full_into_sharded(raw_model, None, {"model": state})
         else:
             raw_model.load_state_dict(state)
-    if init is not None and init.optimizer is not None:
-        carried, total = carry_optimizer_state(optimizer, raw_model, init)
-        env.log(f"continuing the run of {init.source} at iter {init.progress.iter_num} (data position "
-                f"{init.progress.data_pos}); AdamW state carried for {carried} of {total} tensors")
+        if init.optimizer is not None:  # init_continue
+            carry_optimizer_state(optimizer, raw_model, init, env.log)
     return raw_model, optimizer
-
-
-# architecture keys come from the weights; these may change when fine-tuning them
-FINETUNE_FREE_KEYS = ("dropout", "block_size")
-
-
-@dataclass
-class Init:
-    """Weights a fresh run starts from (--init_from=<checkpoint or directory>)."""
-    state: dict       # model.py's state dict of the source
-    source: str       # where it came from
-    upcycle: bool     # GDN weights into a PRISM config (checkpoint.upcycle_state)
-    # init_continue: the source run's position, its AdamW state and the parameter name of each
-    # index in that state, and the data it was trained on
-    progress: "Progress" = None
-    optimizer: dict = None
-    optimizer_names: list = None
-    data_meta: dict = None
-
-
-def init_weights_from(cfg, env, model_args):
-    """--init_from=<checkpoint file, export_hf.py directory or fla GatedDeltaNetForCausalLM directory>:
-    start a fresh run (new optimizer, iteration 0) from those weights. Their architecture replaces
-    the config's (updates model_args in place), except that a GDN source under a PRISM config is
-    upcycled: the config's PRISM keys (UPCYCLE_KEYS) stay. Returns an Init, or None for scratch/resume."""
-    src = cfg["init_from"]
-    if src in ("scratch", "resume"):
-        return None
-    try:
-        model, meta = load_model(src, "cpu", warn=env.log)
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(str(e))
-    theirs = {**MODEL_DEFAULTS, **ModelConfig.from_dict(meta["model_args"]).__dict__}
-    upcycle = theirs["mixer"] == "gdn" and model_args["mixer"] == "prism"
-    keep = FINETUNE_FREE_KEYS + (UPCYCLE_KEYS if upcycle else ())
-    changed = [f"{k}={theirs[k]!r} (config had {model_args[k]!r})"
-               for k in changed_keys(theirs, model_args, model_args) if k not in keep]
-    model_args.update({k: theirs[k] for k in model_args if k not in keep})
-    if upcycle:
-        try:
-            check_upcycle_args(model_args)
-        except ValueError as e:
-            raise UserError(f"--init_from={src}: {e}")
-    what = "upcycling the GDN" if upcycle else "initialising from"
-    env.log(f"{what} {src}" + (f" (iter {meta['iter_num']})" if "iter_num" in meta else "")
-            + (f" into PRISM (solver_steps={model_args['solver_steps']}, solver_rank={model_args['solver_rank']})"
-               if upcycle else "")
-            + (f"; its architecture replaces the config's: {', '.join(changed)}" if changed else ""))
-    init = Init(model.state_dict(), src, upcycle)
-    if cfg["init_continue"]:
-        continue_run_of(init, model, meta, cfg, env)
-    return init
-
-
-def continue_run_of(init, model, meta, cfg, env):
-    """init_continue: fill in the source run's position and AdamW state (a train.py checkpoint
-    file's), so that the run carries on from its iteration and data position with the moments of
-    every tensor the source had."""
-    src = init.source
-    if env.fsdp:
-        raise UserError("init_continue=True needs a run without FSDP (its AdamW state is carried by name)")
-    if os.path.isdir(src) or any(k not in meta for k in ("iter_num", "data_pos")):
-        raise UserError(f"init_continue=True: {src} is not a train.py checkpoint file (it records no "
-                        f"iteration and data position to continue from)")
-    try:
-        ckpt = load_checkpoint(src, ("optimizer",), warn=env.log)
-    except (FileNotFoundError, CheckpointError) as e:
-        raise UserError(str(e))
-    # the source's parameter names in its optimizer's index order: the grouping configure_optimizers makes
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = model.configure_optimizers(0.0, 0.0, (0.9, 0.95)).param_groups
-    init.optimizer_names = [names[id(p)] for g in groups for p in g["params"]]
-    init.optimizer = ckpt["optimizer"]
-    init.progress = Progress(**{k: meta[k] for k in asdict(Progress()) if k in meta})
-    init.progress.best_val_loss = float("inf")  # another model from here on
-    init.data_meta = meta.get("data_meta")
-
-
-def carry_optimizer_state(optimizer, raw_model, init):
-    """The source's AdamW state (moments, step count) into `optimizer` for every parameter of the
-    same name; the others (an upcycled PRISM's solver) start fresh. Returns (carried, total)."""
-    names = {id(p): n for n, p in raw_model.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    theirs = {n: i for i, n in enumerate(init.optimizer_names)}
-    src_state = init.optimizer["state"]
-    state = {i: src_state[theirs[n]] for i, n in enumerate(order) if n in theirs and theirs[n] in src_state}
-    sd = optimizer.state_dict()
-    optimizer.load_state_dict({**sd, "state": state})
-    return len(state), len(order)
 
 
 def shard_model(raw_model, env):
@@ -390,7 +310,7 @@ def start_or_resume(cfg, env, data, raw_model, optimizer, model_args):
         set_rng_state(rngs[env.rank], env.device)
     else:
         env.log(f"warning: checkpoint has RNG states for {len(rngs)} ranks, running {env.world}; reseeded")
-    return Progress(**{k: ckpt[k] for k in asdict(Progress()) if k in ckpt})
+    return progress_of(ckpt)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -544,92 +464,7 @@ def save(cfg, env, raw_model, optimizer, prog, data, model_args):
 
 
 # -----------------------------------------------------------------------------------------------
-# the run
-
-def train(cfg):
-    """Setup, then the loop: evaluate (and save) every eval_interval iterations, queue a step, read
-    the one before it. The host reads each step's outcome one step late (StepResult), so the last
-    one is read before anything that must know it: a save, the end."""
-    env = setup(cfg)
-    model_args = model_args_of(cfg)
-    init = init_weights_from(cfg, env, model_args)
-    data = load_data(cfg, env, model_args)
-    model_args["eos_id"] = data_eos_id(data.meta, model_args)  # reset_at_eos cuts where the data does
-    raw_model, optimizer = build_model(cfg, env, model_args, init)
-    prog = start_or_resume(cfg, env, data, raw_model, optimizer, model_args)
-    if init is not None and init.progress is not None:  # init_continue: the source run's position
-        check_data_meta(data.meta, model_args, init.data_meta)
-        prog = init.progress
-    del init  # the model holds those weights now
-    resumed_at = prog.iter_num if cfg["init_from"] == "resume" else None
-    model = wrap_model(raw_model, cfg, env)
-    runlog = RunLog(cfg, env, resumed_at)
-    stop = StopSignals(announce=env.master, under_torchrun="TORCHELASTIC_RUN_ID" in os.environ)
-    T = cfg["block_size"]
-    t_start, last_eval, oom, dt_avg = time.time(), resumed_at, False, None
-
-    def settle(res, force_log=False):
-        """Take in a queued step's outcome: count a skipped step (aborting after max_bad_steps in a
-        row), log it, and say whether some rank asked to stop."""
-        nonlocal dt_avg
-        loss, grad_norm, bad, stopping, dt = res.read()
-        dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-        if bad:
-            prog.skipped += 1
-            prog.bad_streak += 1
-            report_bad_step(prog, cfg, env, res.iter_num)  # raises after max_bad_steps in a row
-        else:
-            prog.bad_streak = 0
-        if (res.iter_num % cfg["log_interval"] == 0 or res.iter_num == cfg["max_iters"]
-                or stopping or force_log):
-            log_step(runlog, env, raw_model, cfg, prog, res, loss, grad_norm, dt, dt_avg)
-        return stopping
-
-    stop.install()
-    try:
-        announce(cfg, env, raw_model)
-        check_cpu_speed(raw_model, cfg, env)
-        pending, stopping = None, False   # the step queued last: read once the next one is queued
-        while True:
-            final = prog.iter_num >= cfg["max_iters"]
-            evaluating = (prog.iter_num % cfg["eval_interval"] == 0 or final) and prog.iter_num != last_eval
-            # a save or the end must know every step's outcome first
-            if pending is not None and (evaluating or stopping or final):
-                stopping, pending = settle(pending, force_log=stopping) or stopping, None
-            if stopping:
-                env.log(f"received {stop.name or 'a stop signal on another rank'} at iter {prog.iter_num}: "
-                        f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}; exiting")
-                break
-            if evaluating:
-                last_eval = prog.iter_num
-                val = evaluate(raw_model, data, cfg, env)
-                env.log(f"iter {prog.iter_num}: val loss {val:.4f}")
-                runlog.write({"iter": prog.iter_num, "val_loss": val, "tokens": prog.data_pos * T})
-                improved = val < prog.best_val_loss
-                prog.best_val_loss = min(prog.best_val_loss, val)
-                if prog.iter_num > 0 and (improved or cfg["always_save_checkpoint"] or final):
-                    env.log(f"saved {save(cfg, env, raw_model, optimizer, prog, data, model_args)}")
-            if final:
-                break
-            queued = train_step(model, raw_model, optimizer, data, cfg, env, prog, stop.requested)
-            if pending is not None:  # the GPU holds the queued step while the host reads this one
-                stopping = settle(pending)
-            # one process needs no word from other ranks: stop after the step it was asked during
-            stopping = stopping or (not env.ddp and stop.requested)
-            pending = queued
-    except torch.OutOfMemoryError:
-        if env.device.type != "cuda":
-            raise
-        oom = True  # handled below, once the traceback (and the activations it holds) is gone
-    finally:
-        stop.restore()
-        runlog.close()
-    if oom:
-        raise oom_error(model, optimizer, cfg, env, prog.iter_num)
-    env.log(f"done at iter {prog.iter_num} ({fmt_tokens(prog.data_pos * T)} tokens) in "
-            f"{fmt_time(time.time() - t_start)}; best val loss {prog.best_val_loss:.4f}")
-    return prog.iter_num
-
+# the command line
 
 def main(argv):
     if "-h" in argv or "--help" in argv:

@@ -317,8 +317,8 @@ def data_record(a, required=True):
 def parse_run(argv):
     """train.py's config of a run. Without its --init_from: a continuation's architecture is its
     config's (the same as the checkpoint's), and the checkpoint may be gone by the summary."""
-    import train
-    return train.parse_config([x for x in argv if not x.startswith(("--init_from=", "--init_continue="))])
+    from settings import parse_config
+    return parse_config([x for x in argv if not x.startswith(("--init_from=", "--init_continue="))])
 
 
 def tokens_per_step(argv):
@@ -559,11 +559,11 @@ def read_log(path):
 def count_params(argv):
     """Exact parameter count of a run's model, built on the meta device (no memory, no time)."""
     import torch
-    import train
     from model import Model, ModelConfig
+    from settings import model_args_of
     cfg = parse_run(argv)
     with torch.device("meta"):
-        return Model(ModelConfig(**train.model_args_of(cfg))).num_params(non_embedding=False)
+        return Model(ModelConfig(**model_args_of(cfg))).num_params(non_embedding=False)
 
 
 def versions():

@@ -158,11 +158,11 @@ def test_pipeline_tiny(tmp_path):
     # the seed changes the initial weights: another step-0 val loss
     assert by[("gdn", 0)]["val_curve"][0][1] != by[("gdn", 1)]["val_curve"][0][1]
     import torch
-    import train
     from model import Model, ModelConfig
-    cfg = train.parse_config(["config/tiny_cpu.py", "--mixer=attention"])
+    from settings import model_args_of, parse_config
+    cfg = parse_config(["config/tiny_cpu.py", "--mixer=attention"])
     with torch.device("meta"):
-        assert by[("transformer", 0)]["params"] == Model(ModelConfig(**train.model_args_of(cfg))).num_params(False)
+        assert by[("transformer", 0)]["params"] == Model(ModelConfig(**model_args_of(cfg))).num_params(False)
     # the table and its arithmetic: PRISM - GDN from the rows, paired by seed
     diffs = [by[("prism", s)]["final_val_loss"] - by[("gdn", s)]["final_val_loss"] for s in (0, 1)]
     d = res_json["differences"]["prism − gdn"]["final_val_loss"]

@@ -348,3 +348,12 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(
         "  " + " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:])) + f" -> {c[-1]}"
         for c in cycles)
+
+
+def test_no_module_imports_train_py():
+    """train.py is the script a fork edits: nothing else imports it. What other code needs of it
+    lives in the modules it imports (settings.py, checkpoint.py, warm_start.py, train_env.py, ...)."""
+    graph = import_graph()
+    assert "train.py" in graph and "warm_start.py" in graph["train.py"]
+    importers = sorted(f for f, edges in graph.items() if "train.py" in edges)
+    assert not importers, f"import train.py: {importers}"

@@ -19,6 +19,7 @@ import checkpoint
 import settings
 import train
 import train_aids
+import train_env
 from model import Model, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -621,7 +622,7 @@ def test_no_test_hook_in_the_config():
 def test_gpu_sized_config_on_cpu_warns_before_the_first_step(data, tmp_path, capsys, monkeypatch):
     # the 130M config on this CPU: estimated from its FLOPs per token (model on the meta device)
     cfg = settings.parse_config([str(ROOT / "config/prism_130m.py")])
-    env = train.Env(ddp=False, rank=0, world=1, device=torch.device("cpu"), dtype="float32")
+    env = train_env.Env(ddp=False, rank=0, world=1, device=torch.device("cpu"), dtype="float32")
     with torch.device("meta"):
         big = Model(ModelConfig(**settings.model_args_of(cfg)))
     train_aids.check_cpu_speed(big, cfg, env)

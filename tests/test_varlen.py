@@ -316,15 +316,16 @@ def test_config_checks_eos_id():
 
 
 def test_train_takes_eos_id_from_meta():
-    import train
-    args = dict(train.MODEL_DEFAULTS, reset_at_eos=True)
-    assert train.data_eos_id({"eos_id": 0}, args) == 0            # the data decides
-    assert train.data_eos_id({}, args) == args["eos_id"]         # no meta: the config's
-    assert train.data_eos_id({"eos_id": 0}, dict(args, reset_at_eos=False)) == args["eos_id"]
-    with pytest.raises(train.UserError, match="eos_id"):          # the config names another
-        train.data_eos_id({"eos_id": 0}, dict(args, eos_id=5))
-    ckpt_args = {k: v for k, v in train.MODEL_DEFAULTS.items() if k not in ("reset_at_eos", "eos_id")}
-    train.check_resume_model_args(ckpt_args, dict(train.MODEL_DEFAULTS))  # older checkpoints resume
+    from settings import MODEL_DEFAULTS, UserError
+    from train_aids import check_resume_model_args, data_eos_id
+    args = dict(MODEL_DEFAULTS, reset_at_eos=True)
+    assert data_eos_id({"eos_id": 0}, args) == 0            # the data decides
+    assert data_eos_id({}, args) == args["eos_id"]         # no meta: the config's
+    assert data_eos_id({"eos_id": 0}, dict(args, reset_at_eos=False)) == args["eos_id"]
+    with pytest.raises(UserError, match="eos_id"):          # the config names another
+        data_eos_id({"eos_id": 0}, dict(args, eos_id=5))
+    ckpt_args = {k: v for k, v in MODEL_DEFAULTS.items() if k not in ("reset_at_eos", "eos_id")}
+    check_resume_model_args(ckpt_args, dict(MODEL_DEFAULTS))  # older checkpoints resume
 
 
 def test_train_runs_with_reset_at_eos(tmp_path, capsys):
