@@ -539,18 +539,10 @@ def read_exported(path):
     """An exported directory as a checkpoint dict ({"model": state dict in model.py's names,
     "model_args", "data_meta"}), for load_model. Needs safetensors, not transformers. Raises
     FileNotFoundError, or ValueError naming the file and saying why it is unusable."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
     from model import ModelConfig
+    from pretrained_dir import read_config, read_weights
 
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{cfg_path} not found: {path} is not a directory written by export_hf.py")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{cfg_path}: cannot be read as JSON ({e})")
+    cfg_path, cfg = read_config(path, f"{path} is not a directory written by export_hf.py")
     if not isinstance(cfg, dict) or cfg.get("model_type") != MODEL_TYPE:
         got = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
         raise ValueError(f"{cfg_path}: model_type is {got!r}, expected {MODEL_TYPE!r} "
@@ -562,21 +554,8 @@ def read_exported(path):
     except (TypeError, ValueError) as e:
         raise ValueError(f"{cfg_path}: does not describe a model.py model: {e}")
 
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):  # sharded by save_pretrained(max_shard_size=...)
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
     state = {}
-    for name in files:
-        wpath = os.path.join(path, name)
-        if not os.path.isfile(wpath):
-            raise FileNotFoundError(f"{wpath} not found: the export in {path} is incomplete")
-        try:
-            shard = load_file(wpath)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(f"{wpath}: cannot be read as safetensors ({e}); is the file corrupt or truncated?")
+    for wpath, shard in read_weights(path, "export"):
         for k, v in shard.items():
             if not k.startswith("model."):
                 raise ValueError(f"{wpath}: tensor {k!r} is not one of PrismForCausalLM's (model.*)")

@@ -41,6 +41,7 @@ import torch
 
 from checkpoint import MODEL_TYPE, load_model, read_exported  # noqa: F401  (read_exported: the way back)
 from fileio import fsync_dir
+from pretrained_dir import config_model_type
 
 SPACE = "\u2581"
 # texts the exported tokenizer must encode as tokenizer.py does before an export is published
@@ -229,14 +230,6 @@ def verify(path, model, tok, dtype):
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _is_export(path):
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            return json.load(f).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def export(ckpt, out, tokenizer=None, dtype="float32", force=False):
     """Write the transformers directory `out` for checkpoint `ckpt` (a file, or an exported dir)."""
     from tokenizer import load_tokenizer
@@ -248,7 +241,7 @@ def export(ckpt, out, tokenizer=None, dtype="float32", force=False):
     if os.path.exists(out):
         if not force:
             raise FileExistsError(f"{out} exists; pass --force to replace it")
-        if not _is_export(out):  # --force replaces an earlier export, never a training directory
+        if config_model_type(out) != MODEL_TYPE:  # --force replaces an earlier export, never a training directory
             raise FileExistsError(f"{out} exists and is not a directory written by export_hf.py; "
                                   f"refusing to replace it")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

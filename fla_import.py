@@ -21,8 +21,9 @@ Configs that compute something model.py does not are refused by name (UNSUPPORTE
 tensor left over or missing after the renaming is named in the error. Needs safetensors only:
 neither fla nor transformers is imported.
 """
-import json
 import os
+
+from pretrained_dir import config_model_type, read_config, read_weights
 
 FLA_MODEL_TYPE = "gated_deltanet"
 
@@ -47,11 +48,7 @@ def _fail(path, why):
 
 def is_fla_dir(path):
     """True when `path` is a directory whose config.json says model_type "gated_deltanet"."""
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            return json.load(f).get("model_type") == FLA_MODEL_TYPE
-    except (OSError, ValueError, AttributeError):
-        return False
+    return config_model_type(path) == FLA_MODEL_TYPE
 
 
 def fla_mlp_hidden(cfg):
@@ -144,44 +141,16 @@ def rename_fla_state(fla_state, n_layer, tie, where):
     return state
 
 
-def read_safetensors_dir(path):
-    """Every tensor of a save_pretrained directory (one file, or shards with an index)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    state = {}
-    for name in files:
-        wpath = os.path.join(path, name)
-        if not os.path.isfile(wpath):
-            hint = " (fla checkpoints saved as pytorch_model.bin: load and save_pretrained them once " \
-                   "with safe_serialization=True)" if os.path.isfile(os.path.join(path, "pytorch_model.bin")) else ""
-            raise FileNotFoundError(f"{wpath} not found: the checkpoint in {path} is incomplete{hint}")
-        try:
-            state.update(load_file(wpath))
-        except (SafetensorError, OSError, ValueError) as e:
-            _fail(wpath, f"cannot be read as safetensors ({e}); is the file corrupt or truncated?")
-    return state
-
-
 def read_fla(path):
     """An fla GatedDeltaNetForCausalLM directory as a checkpoint dict ({"model": state dict in
     model.py's names, "model_args", "data_meta", "imported_from"}), for checkpoint.load_model.
     data_meta names the tokenizer the directory ships (tokenizer.py's Tokenizer reads it)."""
-    cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{cfg_path} not found: {path} is not a transformers model directory")
-    except (OSError, ValueError) as e:
-        _fail(cfg_path, f"cannot be read as JSON ({e})")
+    cfg_path, cfg = read_config(path, f"{path} is not a transformers model directory")
     args = model_args_from_fla(cfg, cfg_path)
-    state = rename_fla_state(read_safetensors_dir(path), args["n_layer"], args["tie_embeddings"], path)
+    tensors = {}
+    for _, shard in read_weights(path, "fla checkpoint"):
+        tensors.update(shard)
+    state = rename_fla_state(tensors, args["n_layer"], args["tie_embeddings"], path)
     # the tokenizer may hold fewer ids than the (padded) vocab_size: only the EOS is checked against it
     data_meta = {"eos_id": args["eos_id"]} if "eos_id" in args else {}
     return {"model": state, "model_args": args, "data_meta": data_meta,

@@ -200,6 +200,35 @@ def test_other_model_type_is_not_taken_for_fla(fla_dir, tmp_path):
 
 
 
+def test_sharded_truncated_and_missing_weights(fla_dir, tmp_path):
+    """Shards listed in model.safetensors.index.json load as one file does; a truncated file and a
+    missing one are named, a missing one with what to do when the directory has pytorch_model.bin."""
+    from safetensors.torch import load_file, save_file
+    src = fla_dir[0]
+    whole, _ = load_model(str(src), backend="chunk")
+    state = load_file(src / "model.safetensors")
+    d = _edit_config(src, tmp_path / "sharded")
+    os.remove(d / "model.safetensors")
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, ks in shards.items():
+        save_file({k: state[k] for k in ks}, d / f)
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    model, _ = load_model(str(d), backend="chunk")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), whole.state_dict().values()))
+    second = d / "model-00002-of-00002.safetensors"
+    second.write_bytes(second.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model-00002-of-00002\.safetensors: .*corrupt or truncated"):
+        load_model(str(d))
+    os.remove(second)
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors not found: the fla checkpoint"):
+        load_model(str(d))
+    (d / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin: .*safe_serialization=True"):
+        load_model(str(d))
+
+
 def _word_tokenizer(d, vocab=96):
     """A tokenizer.json (word level: w0 .. w95, </s> at 2) and the tokenizer_config.json naming its
     EOS, as transformers saves them beside an fla model."""
