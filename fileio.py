@@ -7,10 +7,12 @@ atomic_write(path, data)  bytes or str (as UTF-8) through a temporary file besid
                           rename over path, fsync of the directory: a crash leaves the old file
                           or the new one, never half of one
 write_json(path, obj)     atomic_write of obj as indented JSON and a final newline
+write_figure(path, fig)   atomic_write of a matplotlib figure, rendered in the format path's suffix names
 fsync_dir(d)              make a rename in directory d durable
 sha256_file(path)         the hex sha256 of a file, read in blocks
 """
 import hashlib
+import io
 import json
 import os
 
@@ -53,6 +55,14 @@ def atomic_write(path, data):
 def write_json(path, obj, indent=1):
     """obj as JSON, atomically: a reader never sees half a file."""
     atomic_write(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def write_figure(path, fig, dpi=120):
+    """A matplotlib figure as an image (png unless path's suffix names another format), atomically.
+    Takes the figure object: this file needs no matplotlib."""
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
+    atomic_write(path, buf.getvalue())
 
 
 def sha256_file(path, chunk=1 << 24):

@@ -8,13 +8,12 @@ One line per log for the training loss (optionally smoothed), dashed with marker
 validation loss. The label of each run is its directory name.
 """
 import argparse
-import io
 import json
 import os
 import sys
 
 from cli import HelpFormatter
-from fileio import atomic_write
+from fileio import write_figure
 
 
 def read_log(path):
@@ -81,9 +80,7 @@ def main(argv=None):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=120, format=os.path.splitext(a.out)[1][1:] or "png")
-    atomic_write(a.out, buf.getvalue())
+    write_figure(a.out, fig)
     print(f"wrote {a.out}")
 
 

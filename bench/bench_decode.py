@@ -21,7 +21,6 @@ prefill_s; date, GPU, versions) after every row, a plot next to it (.png, matplo
 prints a table. About 3 minutes on one H200.
 """
 import argparse
-import io
 import json
 import os
 import platform
@@ -34,7 +33,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from model import Model, ModelConfig, cuda_graph, sample_next  # noqa: E402
-from fileio import atomic_write, write_json  # noqa: E402
+from fileio import write_figure, write_json  # noqa: E402
 from settings import model_args_of, parse_config  # noqa: E402
 
 MODELS = ("gdn", "prism", "hybrid", "transformer")
@@ -147,9 +146,7 @@ def plot(rows, path, gpu):
         ax.legend()
     fig.suptitle(f"130M decoding, bf16, CUDA graphs ({gpu})")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=120, format="png")
-    atomic_write(path, buf.getvalue())
+    write_figure(path, fig)
 
 
 def decode_gemms(batches=(1, 64), reps=50, copies=16):

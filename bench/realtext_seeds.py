@@ -81,7 +81,6 @@ transformer), 4 GPUs ~15 minutes, 2 GPUs ~30 minutes.
 import argparse
 import glob
 import hashlib
-import io
 import json
 import lzma
 import math
@@ -97,7 +96,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from fileio import atomic_write, sha256_file, write_json  # noqa: E402
+from fileio import atomic_write, sha256_file, write_figure, write_json  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 
 MODELS = ["gdn", "prism", "hybrid", "transformer"]
@@ -704,10 +703,8 @@ def plot(res, path, title):
     bx.grid(alpha=0.3)
     bx.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=120, format="png")
+    write_figure(path, fig)
     plt.close(fig)
-    atomic_write(path, buf.getvalue())
 
 
 # -----------------------------------------------------------------------------------------------
@@ -852,10 +849,8 @@ def upcycle_plot(res, path, title):
     bx.set_title("the difference, same checkpoint, data and schedule", fontsize=9)
     bx.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=120, format="png")
+    write_figure(path, fig)
     plt.close(fig)
-    atomic_write(path, buf.getvalue())
 
 
 # -----------------------------------------------------------------------------------------------
