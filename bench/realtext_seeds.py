@@ -621,6 +621,7 @@ def summary(a, data_rec):
             "final_val_loss": val[a.steps]["val_loss"] if ok and a.steps in val else None,
             "half_val_loss": val[a.steps // 2]["val_loss"] if a.steps // 2 in val else None,
             "tokens_per_s": round(statistics.median(tok_s)) if tok_s else None,
+            "card": (st.get("gpu_name") or "").split(",")[0] or None,  # tokens/s compare within one card
             "val_curve": [[r["tokens"], r["val_loss"]] for r in val_recs],
             "final_train_loss": train_recs[-1]["loss"] if train_recs else None,
             "peak_mem_gib": max((r.get("mem_gib", 0) for r in train_recs), default=None),
