@@ -11,7 +11,7 @@ The directory needs neither this repo nor a network (and works the same after a 
   tokenizer.json, tokenizer_config.json
                            the SentencePiece model as a `tokenizers` BPE that encodes exactly as
                            tokenizer.py does (checked at export); tokenizer.model is the original
-  hf_modeling.py, model.py, prism_kernel.py
+  hf_modeling.py, model.py, prism_kernel.py, prism_ops/
                            what trust_remote_code=True runs: copies of this repo's files.
                            hf_modeling.py only adapts model.py's Model to transformers
   README.md                a short model card
@@ -165,7 +165,7 @@ print(tok.decode(model.generate(ids, max_new_tokens=40, do_sample=False)[0], ski
 
 * `tok(text)` starts with `</s>`: the model saw it before every training document (it never saw `<s>`).
 * Padding: right padding for scoring; `generate()` takes unpadded prompts (left padding raises).
-* On CUDA the recurrence runs the Triton kernels of `prism_kernel.py` (needs `triton`); on CPU, PyTorch.
+* On CUDA the recurrence runs the Triton kernels of `prism_kernel.py` and `prism_ops/` (needs `triton`); on CPU, PyTorch.
 """
 
 
@@ -181,12 +181,16 @@ def _set_tokenizer_class(path):
 
 
 def _publishable(d):
-    """Permissions as the umask says (mkdtemp and some writers use 0600/0700), data on disk."""
+    """Permissions as the umask says (mkdtemp and some writers use 0600/0700), data on disk; the
+    same for the folders inside (prism_ops/)."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(d, 0o777 & ~umask)
     for name in os.listdir(d):
         p = os.path.join(d, name)
+        if os.path.isdir(p):
+            _publishable(p)
+            continue
         os.chmod(p, 0o666 & ~umask)
         with open(p, "rb") as fh:
             os.fsync(fh.fileno())

@@ -1,8 +1,8 @@
 """
 transformers wrapper around model.py: AutoConfig / AutoModelForCausalLM / generate() for PRISM models.
 
-export_hf.py copies this file, model.py and prism_kernel.py into every exported directory, which
-then loads without this repo (trust_remote_code=True runs this file):
+export_hf.py copies this file, model.py and the kernels (prism_kernel.py, prism_ops/) into every
+exported directory, which then loads without this repo (trust_remote_code=True runs this file):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained("hf/prism_130m")
@@ -44,7 +44,11 @@ logger = logging.get_logger(__name__)
 
 MODEL_TYPE = "prism_lm"
 AUTO_MAP = {"AutoConfig": "hf_modeling.PrismConfig", "AutoModelForCausalLM": "hf_modeling.PrismForCausalLM"}
-CODE_FILES = ("hf_modeling.py", "model.py", "prism_kernel.py")  # what an exported directory runs
+# the Triton kernels: the entry point and its stages (prism_ops/), fetched at run time
+KERNEL_FILES = ("prism_kernel.py", "prism_ops/__init__.py", "prism_ops/tiles.py", "prism_ops/chunk_fwd.py",
+                "prism_ops/chunk_bwd.py", "prism_ops/l2norm.py", "prism_ops/conv.py", "prism_ops/solver.py",
+                "prism_ops/decode.py")
+CODE_FILES = ("hf_modeling.py", "model.py") + KERNEL_FILES  # what an exported directory runs
 # transformers >= 5.24 calls the cache `cache`; earlier versions `past_key_values`
 CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -139,27 +143,33 @@ class PrismCache(Cache):
 
 
 def _install_kernel_file(config):
-    """Put prism_kernel.py beside model.py in transformers' module cache, where model.kernels()
-    imports it on CUDA. transformers copies only the files that this file imports, and importing
-    prism_kernel needs Triton, so it is fetched here (from the exported directory or the hub)."""
+    """Put the kernels (KERNEL_FILES: prism_kernel.py and prism_ops/) beside model.py in
+    transformers' module cache, where model.kernels() imports them on CUDA. transformers copies
+    only the files that this file imports, and importing prism_kernel needs Triton, so they are
+    fetched here (from the exported directory or the hub)."""
     if not __package__:
         return  # this repo: prism_kernel is a top-level module
-    dst = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prism_kernel.py")
+    here = os.path.dirname(os.path.abspath(__file__))
     name = str(getattr(config, "_name_or_path", "") or "")
-    src = None
-    if name:
-        from transformers.utils import cached_file
-        src = cached_file(name, "prism_kernel.py", revision=getattr(config, "_commit_hash", None),
-                          _raise_exceptions_for_missing_entries=False,
-                          _raise_exceptions_for_connection_errors=False)
-    if src and os.path.isfile(src):
-        if not (os.path.isfile(dst) and filecmp.cmp(src, dst, shallow=False)):
-            tmp = f"{dst}.tmp.{os.getpid()}"
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dst)
-    elif not os.path.isfile(dst) and torch.cuda.is_available():
-        logger.warning(f"prism_kernel.py not found in {name or 'the model directory'}: on CUDA the "
-                       "recurrence runs model.py's PyTorch chunk backend instead of the Triton kernels")
+    for i, fname in enumerate(KERNEL_FILES):
+        dst = os.path.join(here, fname)
+        src = None
+        if name:
+            from transformers.utils import cached_file
+            src = cached_file(name, fname, revision=getattr(config, "_commit_hash", None),
+                              _raise_exceptions_for_missing_entries=False,
+                              _raise_exceptions_for_connection_errors=False)
+        if src and os.path.isfile(src):
+            if not (os.path.isfile(dst) and filecmp.cmp(src, dst, shallow=False)):
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                tmp = f"{dst}.tmp.{os.getpid()}"
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, dst)
+        elif i == 0 and not os.path.isfile(dst):
+            if torch.cuda.is_available():
+                logger.warning(f"prism_kernel.py not found in {name or 'the model directory'}: on CUDA the "
+                               "recurrence runs model.py's PyTorch chunk backend instead of the Triton kernels")
+            return
 
 
 class PrismForCausalLM(PreTrainedModel, GenerationMixin):
@@ -262,5 +272,6 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
                 if not os.path.isfile(src):
                     logger.warning(f"{src} not found: {save_directory} will lack {name}")
                 elif not (os.path.isfile(dst) and os.path.samefile(src, dst)):
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
                     shutil.copyfile(src, dst)
         return out

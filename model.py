@@ -299,10 +299,11 @@ _KERNELS = None
 
 
 def kernels():
-    """prism_kernel (Triton), imported on first use. It is the file beside this one: a top-level
-    module in this repo, a sibling submodule in a directory written by export_hf.py. Imported through
-    importlib, not an import statement: transformers' remote-code loader requires every module that
-    an import statement names to be installed, and this one needs Triton, which CPU users may lack.
+    """prism_kernel (Triton), imported on first use. It is the file beside this one (its stages in
+    prism_ops/ beside it too): a top-level module in this repo, a sibling submodule in a directory
+    written by export_hf.py. Imported through importlib, not an import statement: transformers'
+    remote-code loader requires every module that an import statement names to be installed,
+    and this one needs Triton, which CPU users may lack.
     Kept in a global, which torch.compile reads as a constant (default_backend imports it first)."""
     global _KERNELS
     if _KERNELS is None:

@@ -6,15 +6,14 @@ kernel must move at least: x and y forward; x, dy and dx backward).
 
     python bench/bench_conv.py                                  # the model's shapes, bf16
     python bench/bench_conv.py --configs conv_br=8 conv_bd=64,conv_warps=8   # launch overrides
-    python bench/bench_conv.py --compare /tmp/old_prism_kernel.py   # another version beside it
-                                                  # (e.g. git show HEAD~1:prism_kernel.py > ...)
+    python bench/bench_conv.py --compare /tmp/old/prism_kernel.py   # another version beside it
+                                                  # (e.g. git worktree add /tmp/old HEAD~1)
 
 Needs a CUDA GPU; fla is optional. Writes $RESULTS_DIR/conv_bench.json (or
 bench/results/conv_bench.json) with the date, GPU and versions.
 """
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import sys
@@ -37,10 +36,8 @@ except Exception as e:  # noqa: BLE001
 
 
 def load_module(path):
-    spec = importlib.util.spec_from_file_location(f"compare_{abs(hash(path))}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from kernel_build import load_build   # the build's own prism_ops/ beside it, not the repo's
+    return load_build(path)
 
 
 def measure(fn, x, w, dy):
@@ -63,7 +60,7 @@ def main():
                     help="B,T,C (3072 = GDN-130M's q|k|v channels, 768 = PRISM's anchor)")
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--configs", nargs="*", default=[], help="launch overrides to time beside the default")
-    ap.add_argument("--compare", nargs="*", default=[], help="other prism_kernel.py files to time beside this one")
+    ap.add_argument("--compare", nargs="*", default=[], help="other prism_kernel.py files (each with its prism_ops/ beside it) to time beside this one")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_conv.py needs a CUDA GPU")

@@ -21,7 +21,6 @@ fla, L=3 <= 1.3x our L=1 (every shape); packed documents <= 1.1x the same tokens
 """
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import sys
@@ -188,12 +187,11 @@ def row(impl, L, B, T, H, K, V, t_f, t_fb, act, peak, **extra):
 
 
 def load_kernel(path):
-    """Time the prism_kernel.py at `path` in place of the repo's, for this whole process."""
+    """Time the prism_kernel.py at `path` (with its own prism_ops/) in place of the repo's, for
+    this whole process."""
     global prism_kernel, chunk_prism
-    spec = importlib.util.spec_from_file_location("prism_kernel", path)
-    prism_kernel = importlib.util.module_from_spec(spec)
-    sys.modules["prism_kernel"] = prism_kernel
-    spec.loader.exec_module(prism_kernel)
+    from kernel_build import load_build
+    prism_kernel = sys.modules["prism_kernel"] = load_build(path)
     chunk_prism = prism_kernel.chunk_prism
 
 
@@ -213,8 +211,8 @@ def main():
                                                          "compares our own rows only)")
     ap.add_argument("--profile", action="store_true", help="per-kernel times for L=1, L=3 and fla at every shape")
     ap.add_argument("--warm", action="store_true", help="only compile the kernel variants, in parallel")
-    ap.add_argument("--kernel", default="", help="a prism_kernel.py to time instead of the repo's "
-                                                 "(an A/B of two builds: run once with each)")
+    ap.add_argument("--kernel", default="", help="a prism_kernel.py (with its prism_ops/ beside it) to time "
+                                                 "instead of the repo's (an A/B of two builds: run once with each)")
     args = ap.parse_args()
     if args.kernel:
         load_kernel(args.kernel)

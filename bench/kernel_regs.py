@@ -34,14 +34,17 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prism_kernel as pk  # noqa: E402
+from prism_ops import chunk_bwd, chunk_fwd, tiles  # noqa: E402
 
 FP32_ARGS = {"g", "gc", "dbeta", "dg", "dqp", "dkp", "dbp", "dgp", "h0", "ht", "dht", "dh0"}
 INT_ARGS = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
 SCALARS = {"scale": "fp32", "T": "i32"}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-KERNELS = dict(fwd_prep=pk._fwd_prep, fwd_state=pk._fwd_state, bwd_h=pk._fwd_state, bwd_w=pk._fwd_w, bwd_r=pk._fwd_rows, fwd_out=pk._fwd_out,
-               bwd_dv_local=pk._bwd_dv_local, bwd_state=pk._bwd_state, bwd_rows=pk._bwd_rows,
-               bwd_local=pk._bwd_local, bwd_local_cc=pk._bwd_local_cc, bwd_local_dqk=pk._bwd_local_dqk)
+KERNELS = dict(fwd_prep=chunk_fwd._fwd_prep, fwd_state=chunk_fwd._fwd_state, bwd_h=chunk_fwd._fwd_state,
+               bwd_w=chunk_fwd._fwd_w, bwd_r=chunk_fwd._fwd_rows, fwd_out=chunk_fwd._fwd_out,
+               bwd_dv_local=chunk_bwd._bwd_dv_local, bwd_state=chunk_bwd._bwd_state, bwd_rows=chunk_bwd._bwd_rows,
+               bwd_local=chunk_bwd._bwd_local, bwd_local_cc=chunk_bwd._bwd_local_cc,
+               bwd_local_dqk=chunk_bwd._bwd_local_dqk)
 FLAGS = dict(fwd_state=dict(HAS_H0=True, STORE_HT=True, RECOMPUTE=False),
              bwd_h=dict(HAS_H0=True, STORE_HT=False, RECOMPUTE=True),   # _fwd_state rebuilding h
              bwd_state=dict(HAS_DHT=True, STORE_DH0=True))
@@ -83,7 +86,7 @@ def report(K, V, dtype, L, n_seq, kernels, ptxas, varlen=False):
     BT, BK, cfg = pk.launch_config(K, V, dtype, NE, n_seq)
     es = torch.tensor([], dtype=dtype).element_size()
     base = dict(H=6, K=K, V=V, NE=NE, BT=BT, BK=BK, F32=dtype == torch.float32,
-                DT=pk._DOT_DTYPES[dtype], IS_VARLEN=varlen)
+                DT=tiles._DOT_DTYPES[dtype], IS_VARLEN=varlen)
     worst = 0
     for name in kernels:
         if name not in cfg or (name in ("bwd_rows", "bwd_r") and NE == 0):
@@ -116,8 +119,9 @@ TORCH_TYPES = {**TYPES, torch.float64: "fp64", torch.int32: "i32", torch.int64: 
 
 def record_launches(run):
     """The launches `run()` makes, as (kernel, args, kwargs), none of them executed: every
-    JITFunction of prism_kernel is replaced by a recorder meanwhile. Buffers stay unwritten, so
-    this suits host code that never reads kernel outputs back (the chunk and decoding entry points)."""
+    JITFunction of prism_kernel and of its prism_ops stages is replaced by a recorder meanwhile
+    (each launch site reads its own module's name). Buffers stay unwritten, so this suits host
+    code that never reads kernel outputs back (the chunk and decoding entry points)."""
     log, saved = [], {}
 
     class Recorder:
@@ -127,16 +131,17 @@ def record_launches(run):
         def __getitem__(self, grid):
             return lambda *args, **kw: log.append((self.fn, args, kw))
 
-    for name, fn in vars(pk).items():
-        if isinstance(fn, triton.runtime.jit.JITFunction):
-            saved[name] = fn
+    for mod in (pk, *pk._STAGES):
+        for name, fn in vars(mod).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction):
+                saved[mod, name] = fn
     try:
-        for name, fn in saved.items():
-            setattr(pk, name, Recorder(fn))
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, Recorder(fn))
         run()
     finally:
-        for name, fn in saved.items():
-            setattr(pk, name, fn)
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
     return log
 
 
@@ -168,8 +173,8 @@ def representative_calls():
     """Small calls that between them launch every kernel of prism_kernel in each of its
     variants (flags, dtypes, the one-kernel and the key-block local backward, packed sequences)."""
     os.environ["TRITON_INTERPRET"] = "1"   # the host checks accept CPU tensors; kernels are recorded
-    dot_dtype = pk._dot_dtype
-    pk._dot_dtype = lambda dt: pk._DOT_DTYPES[dt]   # compile bf16 as the GPU runs it
+    dot_dtype = tiles._dot_dtype   # read by tiles._setup
+    tiles._dot_dtype = lambda dt: tiles._DOT_DTYPES[dt]   # compile bf16 as the GPU runs it
     r = lambda *s, dt=torch.bfloat16: torch.randn(*s).to(dt).requires_grad_()
     try:
         def prism(dt, K, V, NE, packed, local_bk):
@@ -239,7 +244,7 @@ def representative_calls():
             pk.decode_attention(qr, kc, vc, begin, pos, splits=2)
         yield "decoding", decode
     finally:
-        pk._dot_dtype = dot_dtype
+        tiles._dot_dtype = dot_dtype
         os.environ.pop("TRITON_INTERPRET", None)
 
 

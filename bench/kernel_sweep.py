@@ -14,7 +14,6 @@ ROUNDING_RATIO is derived from: the worst ratio of a healthy build, with a margi
 import argparse
 import concurrent.futures as cf
 import datetime
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -28,16 +27,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def init(kernel):
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    if kernel:   # this file is prism_kernel for the whole process (model.py and the tests alike)
-        spec = importlib.util.spec_from_file_location("prism_kernel", kernel)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["prism_kernel"] = mod
-        spec.loader.exec_module(mod)
+    if kernel:   # this build is prism_kernel for the whole process (model.py and the tests alike)
+        from kernel_build import load_build
+        sys.modules["prism_kernel"] = load_build(kernel)
 
 
 def run(case):
     import test_kernel
-    test_kernel.prism_kernel.POISON = True   # every element read back was written
+    # every element read back was written (POISON sits beside the allocator: prism_ops/tiles.py,
+    # or in prism_kernel.py itself for a build in one file)
+    pk = test_kernel.prism_kernel
+    getattr(pk, "tiles", pk).POISON = True
     try:
         return test_kernel.run_sweep_case(case)
     except Exception as e:   # a launch failure is a result too
@@ -50,7 +50,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="", help="comma-separated case numbers (default: all)")
     ap.add_argument("-j", type=int, default=12, help="processes at once (default 12)")
-    ap.add_argument("--kernel", default="", help="a prism_kernel.py to test instead of the repo's")
+    ap.add_argument("--kernel", default="", help="a prism_kernel.py (with its prism_ops/ beside it) to test "
+                                                 "instead of the repo's")
     ap.add_argument("--out", default="", help="JSON path (default bench/results/kernel_sweep_<date>.json)")
     a = ap.parse_args()
     init(a.kernel)

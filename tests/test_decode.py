@@ -1,6 +1,6 @@
 """Decoding: the static cache (Model.init_cache), Model.generate and the decoding kernels
-(prism_kernel.py's last section: conv_step, recurrent_prism_step, gated_rms_norm, silu_mul,
-rope_kv_write, decode_attention).
+(prism_ops/decode.py, through prism_kernel: conv_step, recurrent_prism_step, gated_rms_norm,
+silu_mul, rope_kv_write, decode_attention).
 
 CPU, PyTorch backends, float32, for GDN, PRISM L=1 and L=3, attention and a hybrid:
   * token by token through the cache, and uneven pieces, == the full forward (max abs <= 1e-4)

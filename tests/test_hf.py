@@ -394,7 +394,7 @@ with torch.no_grad():
 gen = m.generate(ids, max_new_tokens=6, do_sample=False)
 mod_dir = os.path.dirname(sys.modules[type(m).__module__].__file__)
 torch.save({"ids": ids, "logits": logits, "gen": gen, "files": sorted(os.listdir(mod_dir)),
-            "top_level": [n for n in ("model", "hf_modeling", "prism_kernel", "sample") if n in sys.modules],
+            "top_level": [n for n in ("model", "hf_modeling", "prism_kernel", "prism_ops", "sample") if n in sys.modules],
             "path": sys.path}, out)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
@@ -444,6 +444,8 @@ def test_exported_model_runs_its_own_copy_of_the_kernels(exports):
     model_mod = sys.modules[type(hf.model).__module__]
     kernels = model_mod.kernels()
     assert os.path.dirname(kernels.__file__) == os.path.dirname(model_mod.__file__) != ROOT
+    # and its own stages, the prism_ops/ copied beside it (not this repo's package)
+    assert all(m.__name__ == f"{kernels.__package__}.prism_ops.{m.__name__.rsplit('.', 1)[1]}" for m in kernels._STAGES)
     hf.model.backend = "triton"
     ids = random_ids(1, 16, seed=8)
     with torch.no_grad():
@@ -455,12 +457,21 @@ def export_hf_code_files():
     return CODE_FILES
 
 
+def test_exported_code_files_are_all_the_kernel_files():
+    """An exported directory carries prism_kernel.py and every file of prism_ops/ (the package
+    it imports), and hf_modeling fetches each of them: none left behind, none missing here."""
+    from hf_modeling import KERNEL_FILES
+    package = sorted(f"prism_ops/{f}" for f in os.listdir(os.path.join(ROOT, "prism_ops")) if f.endswith(".py"))
+    assert KERNEL_FILES[0] == "prism_kernel.py" and sorted(KERNEL_FILES[1:]) == package
+    assert set(KERNEL_FILES) <= set(export_hf_code_files())
+
+
 def test_save_pretrained_keeps_the_directory_loadable(exports, tmp_path):
     _, path, model = exports["hybrid"]
     hf = hf_model(path)
     again = tmp_path / "again"
     hf.save_pretrained(again)
-    assert set(export_hf_code_files()) <= set(os.listdir(again))
+    assert all((again / name).is_file() for name in export_hf_code_files())
     with open(again / "config.json") as f:
         assert json.load(f)["auto_map"]["AutoModelForCausalLM"] == "hf_modeling.PrismForCausalLM"
     hf2 = AutoModelForCausalLM.from_pretrained(again, trust_remote_code=True)
@@ -543,14 +554,15 @@ def test_export_is_atomic_and_force_replaces_only_exports(tmp_path, monkeypatch)
     export(ckpt, out)
     with pytest.raises(FileExistsError, match="--force"):
         export(ckpt, out)
-    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    files = lambda d: {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    before = files(out)
 
     def broken(*a, **k):
         raise ValueError("simulated failure after writing")
     monkeypatch.setattr(export_hf, "verify", broken)
     with pytest.raises(ValueError, match="simulated"):
         export(ckpt, out, force=True)
-    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before and not leftovers(tmp_path)
+    assert files(out) == before and not leftovers(tmp_path)
     monkeypatch.undo()
     train_dir = tmp_path / "train_out"
     train_dir.mkdir()

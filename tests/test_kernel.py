@@ -179,9 +179,9 @@ def test_tiny_half_vs_naive(dtype):
 
 def test_small_half_precision_heads_run_in_float32_on_a_gpu(monkeypatch):
     # compiled for a GPU (not the interpreter), bf16/fp16 heads below 64 take the float32 kernels
-    monkeypatch.setattr(prism_kernel, "_interpreting", lambda: True)
+    monkeypatch.setattr(prism_kernel.tiles, "_interpreting", lambda: True)
     assert prism_kernel._kernel_dtype(torch.bfloat16, 16, 32) == torch.bfloat16   # interpreter: as given
-    monkeypatch.setattr(prism_kernel, "_interpreting", lambda: False)
+    monkeypatch.setattr(prism_kernel.tiles, "_interpreting", lambda: False)
     for dt in (torch.bfloat16, torch.float16):
         assert prism_kernel._kernel_dtype(dt, 16, 32) == torch.float32
         assert prism_kernel._kernel_dtype(dt, 64, 32) == torch.float32
@@ -406,8 +406,8 @@ def test_packed_bad_cu_seqlens_raise(monkeypatch):
     # one host read per cu_seqlens tensor (the layers of a model share one); an in-place change
     # is seen (the tensor's version counter), and so is a new tensor
     reads = []
-    check = prism_kernel._check_lengths
-    monkeypatch.setattr(prism_kernel, "_check_lengths", lambda *a: reads.append(1) or check(*a))
+    check = prism_kernel.tiles._check_lengths   # the packed-sequence tables' home (prism_ops/tiles.py)
+    monkeypatch.setattr(prism_kernel.tiles, "_check_lengths", lambda *a: reads.append(1) or check(*a))
     c = cu(0, 4, 10)
     for _ in range(2):
         chunk_prism(q, k, v, g, beta, cu_seqlens=c)
@@ -430,7 +430,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    monkeypatch.setattr(prism_kernel, "POISON", True)
+    monkeypatch.setattr(prism_kernel.tiles, "POISON", True)   # read by the stages' allocator
 
 
 @pytest.mark.gpu
@@ -659,7 +659,8 @@ def test_sweep_case_machinery_in_the_interpreter(monkeypatch):
 
 
 def record_grids(monkeypatch, run):
-    """The launch grids `run()` makes, every kernel of prism_kernel recorded instead of run."""
+    """The launch grids `run()` makes, every kernel of prism_kernel and its prism_ops stages
+    recorded instead of run (each module's name for it: a launch site reads its own module's)."""
     grids = []
 
     class Recorder:
@@ -671,9 +672,10 @@ def record_grids(monkeypatch, run):
             return lambda *args, **kw: None
 
     with monkeypatch.context() as m:
-        for name, fn in list(vars(prism_kernel).items()):
-            if hasattr(fn, "fn") and hasattr(type(fn), "__getitem__"):   # a (possibly interpreted) kernel
-                m.setattr(prism_kernel, name, Recorder(name))
+        for mod in (prism_kernel, *prism_kernel._STAGES):
+            for name, fn in list(vars(mod).items()):
+                if hasattr(fn, "fn") and hasattr(type(fn), "__getitem__"):   # a (possibly interpreted) kernel
+                    m.setattr(mod, name, Recorder(name))
         run()
     return grids
 
@@ -980,7 +982,7 @@ def test_causal_conv_small_tiles(monkeypatch, W):
     monkeypatch.setitem(prism_kernel.OVERRIDES, "conv_bt", 16)
     monkeypatch.setitem(prism_kernel.OVERRIDES, "conv_br", 4)
     monkeypatch.setitem(prism_kernel.OVERRIDES, "conv_bd", 16)
-    assert prism_kernel._conv_blocks(100, 40)[:3] == (16, 4, 16)
+    assert prism_kernel.conv._conv_blocks(100, 40)[:3] == (16, 4, 16)
     check_conv(2, 45, 40, W, True, torch.float32, 1e-5)
     check_conv_packed([1, 2, 5, 16, 17, 30], 20, W, True, torch.float32, 1e-6, seed=W)
 

@@ -357,3 +357,26 @@ def test_no_module_imports_train_py():
     assert "train.py" in graph and "warm_start.py" in graph["train.py"]
     importers = sorted(f for f, edges in graph.items() if "train.py" in edges)
     assert not importers, f"import train.py: {importers}"
+
+
+def test_kernels_import_only_their_own_package():
+    """prism_kernel.py imports no repo module but prism_ops/, and prism_ops/ imports only itself,
+    relatively, besides torch, triton and the standard library: `import prism_kernel` never
+    loads model.py, and the copy export_hf.py writes (prism_kernel.py with prism_ops/ beside it,
+    inside transformers' module cache) runs on its own."""
+    graph = import_graph()
+    ops = {f for f in graph if f.startswith("prism_ops" + os.sep)}
+    stages = ("__init__", "tiles", "chunk_fwd", "chunk_bwd", "l2norm", "conv", "solver", "decode")
+    assert {os.path.join("prism_ops", s + ".py") for s in stages} <= ops
+    assert set(graph["prism_kernel.py"]) and set(graph["prism_kernel.py"]) <= ops
+    for f in sorted(ops):
+        assert set(graph[f]) <= ops, f"{f} imports {set(graph[f]) - ops}"
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, f)).read(), f)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [] if node.level else [node.module]
+            else:
+                continue
+            outside = [n for n in names if n.split(".")[0] not in sys.stdlib_module_names | {"torch", "triton"}]
+            assert not outside, f"{f} line {node.lineno} imports {outside} (the package imports itself relatively)"
