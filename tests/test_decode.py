@@ -225,14 +225,94 @@ def test_generate_stops_at_eos(monkeypatch):
         monkeypatch.setattr(model_py, "EOS_CHECK", 4)
         out = model.generate(prompt, 24, temperature=0, eos_id=eos)
         alone = model.generate(prompt[:1], 24, temperature=0, eos_id=eos)
+    cuts = []
     for row in range(B):
         new = plain[row, 5:].tolist()
         cut = new.index(eos) + 1 if eos in new else len(new)
         got = out[row, 5:].tolist()
         assert got[:cut] == new[:cut] and all(t == eos for t in got[cut:])
-    assert alone.shape[1] < 5 + 24 and alone[0, -1] == eos  # one row: stops soon after its EOS
+        cuts.append(cut)
+    assert alone.shape[1] == 5 + cuts[0] and alone[0, -1] == eos  # one row: ends with its EOS
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(prompt, -1)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(prompt, 2, top_p=1.5)
+
+
+def test_generate_eos_list_pads_finished_rows():
+    """Several EOS ids and a pad id, as transformers' generate takes them: a row that drew any
+    EOS gets pad_id after it, and the result ends with the last row's EOS."""
+    model = tiny_model(**CASES["gdn"])
+    prompt = tokens(length=5)
+    with torch.no_grad():
+        plain = model.generate(prompt, 12, temperature=0)
+        a, b = int(plain[0, 5 + 1]), int(plain[1, 5 + 3])  # row 0's 2nd new token, row 1's 4th
+        if a in plain[1, 5:5 + 4].tolist() or b in plain[0, 5:5 + 2].tolist():
+            pytest.skip("the rows share these tokens: pick other positions")
+        pad = 0 if 0 not in (a, b) else 1
+        out = model.generate(prompt, 12, temperature=0, eos_id=[a, b], pad_id=pad)
+    assert out.shape == (B, 5 + 4)  # row 1 ends last, at its 4th token
+    assert out[0].tolist() == plain[0, :5 + 2].tolist() + [pad] * 2
+    assert out[1].tolist() == plain[1, :5 + 4].tolist()
+
+
+def hand_nucleus(probs, top_p):
+    """The nucleus written out: tokens by falling probability, kept until they hold top_p."""
+    keep, mass = set(), 0.0
+    for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+        keep.add(i)
+        mass += probs[i]
+        if mass >= top_p:
+            break
+    return keep
+
+
+def test_filter_logits_top_p_and_top_k_sets():
+    logits = torch.tensor([[math.log(p) for p in (0.05, 0.5, 0.15, 0.3)]])
+    probs = logits.softmax(-1)[0].tolist()
+    for top_p in (1e-6, 0.3, 0.6, 0.7, 0.9, 0.97, 1.0):
+        kept = model_py.filter_logits(logits, top_p=top_p)[0].isfinite().nonzero().flatten().tolist()
+        assert set(kept) == hand_nucleus(probs, top_p), top_p
+    # top_k first, then the nucleus of what is left (renormalised); temperature before both
+    both = model_py.filter_logits(logits, temperature=0.5, top_k=3, top_p=0.8)[0]
+    sharp = (logits[0] / 0.5).softmax(-1)
+    top3 = sharp.topk(3).indices.tolist()
+    renorm = [sharp[i].item() if i in top3 else 0.0 for i in range(4)]
+    renorm = [p / sum(renorm) for p in renorm]
+    assert set(both.isfinite().nonzero().flatten().tolist()) == hand_nucleus(renorm, 0.8)
+    assert torch.allclose(both[both.isfinite()], (logits[0] / 0.5)[both.isfinite()])
+
+
+def test_sample_next_top_p_draws_the_nucleus_in_proportion():
+    logits = torch.tensor([[math.log(p) for p in (0.05, 0.5, 0.15, 0.3)]]).repeat(4000, 1)
+    torch.manual_seed(0)
+    got = model_py.sample_next(logits, temperature=1.0, top_p=0.75)
+    assert set(got.tolist()) == {1, 3}  # 0.5 + 0.3 >= 0.75; 0.5 alone is not
+    assert abs((got == 1).float().mean().item() - 0.5 / 0.8) < 0.03
+    assert torch.equal(model_py.sample_next(logits[:5], top_p=1e-9), logits[:5].argmax(-1))
+
+
+def test_generate_top_p_is_seeded_and_stays_in_the_nucleus():
+    model = tiny_model(**CASES["prism_L3"])
+    prompt = tokens(length=4)
+    top_p, temp = 0.6, 0.05  # random init: logits std ~0.1, so a low temperature makes a nucleus
+    with torch.no_grad():
+        draws = []
+        for seed in (7, 7, 8):
+            torch.manual_seed(seed)
+            draws.append(model.generate(prompt, 10, temperature=temp, top_p=top_p))
+        full = model(draws[0][:, :-1])[0][:, 3:]  # the logits each new token was drawn from
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    sizes = []
+    for row in range(B):
+        for t in range(10):
+            probs = (full[row, t] / temp).softmax(-1).tolist()
+            keep = hand_nucleus(probs, top_p)
+            sizes.append(len(keep))
+            assert int(draws[0][row, 4 + t]) in keep, (row, t)
+    assert 1 < max(sizes) < VOCAB // 2  # the cut mattered, and was not one token every time
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, 6, top_p=1e-9), model.generate(prompt, 6, temperature=0))
 
 
 # ------------------------------------------------------------------ kernels, in the interpreter
