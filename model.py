@@ -136,6 +136,21 @@ def each_sequence(fn, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state, outpu
     return torch.cat(outs, 1), (torch.cat(finals) if output_final_state else None)
 
 
+def float32_recurrence(fn):
+    """fn (a PyTorch backend) with autocast off: it computes in float32 (float64 for float64
+    inputs) as its inputs are cast, and as the Triton kernels do. Under bf16 autocast its einsums
+    and matmuls would run in bf16, rounding the float32 state (and the chunk form's matrices) at
+    every product, differently in the token loop and in the chunk form: the cached decoding
+    steps (token loop) then left the full forward (chunk form) by 1-2% of the logits at random
+    init (BENCHMARKS.md, decoding)."""
+    @functools.wraps(fn)
+    def run(q, *args, **kw):
+        with torch.autocast(q.device.type, enabled=False):
+            return fn(q, *args, **kw)
+    return run
+
+
+@float32_recurrence
 def delta_rule_naive(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None):
     """Token by token. The ground truth every other backend is tested against."""
@@ -143,7 +158,7 @@ def delta_rule_naive(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
         return each_sequence(delta_rule_naive, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state,
                              output_final_state, scale=scale)
     B, T, H, K = q.shape
-    V = v.shape[-1]
+    V, out_dtype = v.shape[-1], v.dtype
     scale = K ** -0.5 if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     S = q.new_zeros(B, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
@@ -159,7 +174,10 @@ def delta_rule_naive(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
         if ke is not None:                                                         # solver writes
             S = S + torch.einsum("bhlk,bhlv->bhkv", ke[:, t], ve[:, t])
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S))
-    o = torch.stack(out, 1).to(v.dtype)
+    # in v's dtype, as the chunk backend and the kernels return it: a bf16 step that kept its
+    # float32 output went on through the output norm unrounded, which the full forward rounds
+    # (the largest part of the bf16 gap between cached decoding and the full forward)
+    o = torch.stack(out, 1).to(out_dtype)
     return o, (S if output_final_state else None)
 
 
@@ -173,6 +191,7 @@ def chunk_decay(g, C):
     return g.view(B, N, C, H).cumsum(2)
 
 
+@float32_recurrence
 def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
                      output_final_state=False, chunk_size=64, cu_seqlens=None):
     """Chunk-parallel form of PRISM_SPEC §3 in PyTorch (autograd; any T; CPU or GPU).
@@ -415,11 +434,13 @@ class ShortConv(nn.Module):
             y = F.conv1d(xp.transpose(1, 2), weight[:, None, :], groups=C)
             return F.silu(y.transpose(1, 2))
         # tap s (s tokens back) reaches token t only within its segment; tokens before a row's
-        # first EOS reach back to the row start, before which there are zeros
+        # first EOS reach back to the row start, before which there are zeros. The taps are
+        # summed in float32 and rounded once, as F.conv1d above does (see cached)
         reach = seg.pos.masked_fill(seg.cont, w)                        # [B,T]
-        y = sum(xp[:, w - s:w - s + T] * weight[:, w - s] * (reach >= s)[..., None].to(x.dtype)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        y = sum(xp[:, w - s:w - s + T].to(acc) * weight[:, w - s].to(acc) * (reach >= s)[..., None].to(acc)
                 for s in range(w + 1))
-        return F.silu(y)
+        return F.silu(y.to(x.dtype))
 
     def cached(self, x, buf, reset):
         """PyTorch's form of prism_kernel.conv_step (CPU, and the PyTorch backends)."""
@@ -436,7 +457,12 @@ class ShortConv(nn.Module):
             kept = torch.arange(T - w, T, device=x.device) >= start[:, -1:]      # [B,w]
             last = last * kept[..., None].to(x.dtype)
         buf.copy_(last)
-        return F.silu((taps * self.weight.to(x.dtype)).sum(-1))
+        # products and sum in float32, rounded once to x's dtype: what F.conv1d gives the full
+        # forward (and the Triton kernels both forms). In bf16, products rounded to bf16 before
+        # the sum moved one bf16 ulp in about a third of the outputs, the first difference
+        # between cached decoding and the full forward (BENCHMARKS.md, decoding)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return F.silu((taps.to(acc) * self.weight.to(x.dtype).to(acc)).sum(-1).to(x.dtype))
 
 
 class GatedDeltaNet(nn.Module):
@@ -519,7 +545,11 @@ class GatedDeltaNet(nn.Module):
     def step(self, x, cache):
         """forward(x, cache=cache) of a few tokens on the Triton decoding kernels: one GEMM for
         every input projection, then a kernel each for the short conv, the recurrence (with the
-        q/k norm, the gates and PRISM's solver write inside) and the output norm and gate."""
+        q/k norm, the gates and PRISM's solver write inside) and the output norm and gate.
+        In bf16 it equals forward() less closely than the PyTorch backends' cached path does:
+        the chunk kernels' dots take bf16 operands where this step updates the float32 state in
+        float32, and its fused kernels round once where forward()'s separate ops round each
+        result (BENCHMARKS.md, decoding)."""
         pk = kernels()
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
