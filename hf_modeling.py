@@ -19,12 +19,18 @@ Model.init_cache() returns (GDN/PRISM state + conv buffers, attention K/V). Conv
     and tok(text) puts it in front; pad is <unk>, which the byte-fallback tokenizer never emits;
   * padding: a recurrent state cannot mask tokens out, so left padding is refused with an error;
     right padding is fine without a cache (scoring), and generate() takes unpadded prompts;
-  * greedy and sampled decoding and beam search run on the recurrent cache; assisted decoding
-    is refused by transformers for stateful models.
+  * generate(): greedy and top-k / top-p sampling run model.py's Model.generate (static cache,
+    fused decoding steps, a CUDA graph per token on CUDA) and return what transformers returns;
+    every other request (beam search, other logits processors, return_dict_in_generate, ...) runs
+    transformers' own loop on the recurrent cache (PrismCache); assisted decoding is refused by
+    transformers for stateful models.
 """
 import filecmp
+import logging as py_logging
+import math
 import os
 import shutil
+import warnings
 from dataclasses import fields
 
 import torch
@@ -172,6 +178,35 @@ def _install_kernel_file(config):
             return
 
 
+class _HeldWarnings:
+    """Holds the warnings (warnings.warn, and transformers' loggers) raised inside the block;
+    replay() gives them out as they would have been. generate() reads a call with transformers'
+    helpers and, when the call then goes to transformers' generate, drops them: it warns itself."""
+
+    def __enter__(self):
+        self.root = py_logging.getLogger("transformers")
+        self.records = []
+        self.handler = py_logging.Handler()
+        self.handler.emit = self.records.append
+        self.saved = (self.root.handlers[:], self.root.propagate)
+        self.root.handlers, self.root.propagate = [self.handler], False
+        self.catch = warnings.catch_warnings(record=True)
+        self.caught = self.catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self.catch.__exit__(*exc)
+        self.root.handlers, self.root.propagate = self.saved
+        return False
+
+    def replay(self):
+        for w in self.caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        for r in self.records:
+            py_logging.getLogger(r.name).handle(r)
+
+
 class PrismForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = PrismConfig
     base_model_prefix = "model"
@@ -259,6 +294,126 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             input_ids = input_ids[:, cache.seen:]  # only the tokens the state has not read yet
         return {"input_ids": input_ids, "attention_mask": attention_mask, CACHE_ARG: cache,
                 "use_cache": use_cache}
+
+    fast_generate = True  # generate(): model.py's decoding loop for the requests it computes alike
+
+    def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
+                 *args, **kwargs):
+        """transformers' generate(); the requests that model.py's Model.generate computes alike run
+        there: a static cache, fused decoding steps, on CUDA one CUDA-graph replay per token
+        (transformers' own loop runs a Python step of forward() per token).
+
+        Those requests are: input_ids of one prompt or of equal-length prompts (no padding; an
+        all-ones attention_mask at most); greedy decoding, or sampling (do_sample=True) with
+        temperature, top_k and top_p, num_return_sequences too; max_new_tokens or max_length;
+        eos_token_id (an id or a list) and pad_token_id. They are read as transformers reads them
+        (generation_config, else model.generation_config, overridden by the call's arguments;
+        transformers' own helpers build the logits processors and stopping criteria), and go to
+        Model.generate only when those are no more than temperature, top-k, top-p, the maximum
+        length and the EOS. The result is what transformers returns for them: a LongTensor of
+        prompt + new tokens, where a row that drew an EOS has pad_token_id (else the first EOS)
+        after it, and decoding ends once every row has. Greedy tokens are those of transformers'
+        loop; sampled tokens are draws from the same filtered distribution (model.filter_logits
+        keeps transformers' top-k and top-p sets), from another random stream.
+
+        Every other request runs transformers' own generate (GenerationMixin.generate, on
+        PrismCache), so it returns whatever that returns: return_dict_in_generate and the
+        output_scores / output_logits outputs, beam search, any other logits processor
+        (repetition_penalty, min_length, min_new_tokens, no_repeat_ngram_size, bad_words_ids,
+        min_p, typical_p, ...) or stopping criterion (stop_strings, max_time), logits_processor,
+        stopping_criteria, a streamer or an assistant model, use_cache=False, a cache passed in,
+        padded prompts (which raise there). `model.fast_generate = False` sends every call there."""
+        plan = None
+        if self.fast_generate and not args and not logits_processor and not stopping_criteria:
+            with _HeldWarnings() as held:
+                try:
+                    plan = self._fast_generate_plan(inputs, generation_config, kwargs)
+                except Exception as e:  # bad arguments raise again in transformers' generate
+                    logger.info(f"generate(): transformers' decoding loop ({type(e).__name__}: {e})")
+            if plan is not None:
+                held.replay()  # the warnings transformers would give for these arguments
+        if plan is None:
+            return super().generate(inputs, generation_config, logits_processor, stopping_criteria,
+                                    *args, **kwargs)
+        ids, draw, device = plan
+        return self.model.generate(ids, **draw).to(device)
+
+    def _fast_generate_plan(self, inputs, generation_config, kwargs):
+        """(input_ids, Model.generate's arguments, the result's device) when Model.generate
+        computes what transformers' generate would for this call, else None. Follows
+        GenerationMixin.generate's own steps (its helpers, in its order) as far as its decoding
+        loop; a helper that raises sends the call to transformers' generate, which raises it."""
+        from transformers.generation.configuration_utils import GenerationMode
+        from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                            TopKLogitsWarper, TopPLogitsWarper)
+        from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
+                                                               StoppingCriteriaList)
+        kwargs = dict(kwargs)
+        ids = kwargs.pop("input_ids", None) if inputs is None else inputs
+        if not (torch.is_tensor(ids) and ids.dim() == 2 and ids.shape[1] > 0 and ids.dtype == torch.long) \
+                or "input_ids" in kwargs:
+            return None
+        mask = kwargs.pop("attention_mask", None)
+        if mask is not None and (mask.shape != ids.shape or not bool(mask.all())):
+            return None
+        kwargs.pop("tokenizer", None)  # read only for stop_strings, which take transformers' loop
+
+        def given(key):  # set by the call, its generation_config or the model's (transformers' test)
+            return kwargs.get(key) is not None or getattr(self.generation_config, key) is not None or \
+                (generation_config is not None and getattr(generation_config, key) is not None)
+        default_max, default_min = not given("max_length"), not given("min_length")
+        gc, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        if any(v is not None for v in model_kwargs.values()):  # forward() inputs, a cache, a streamer, ...
+            return None
+        mode = gc.get_generation_mode()
+        if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE) or gc.return_dict_in_generate \
+                or gc.output_scores or gc.output_logits or gc.output_attentions or gc.output_hidden_states \
+                or gc.use_cache is False or gc.cache_implementation is not None \
+                or getattr(gc, "token_healing", False) or getattr(gc, "prefill_chunk_size", None) is not None:
+            return None
+        copies = gc.num_return_sequences or 1
+        if copies != 1 and mode != GenerationMode.SAMPLE:
+            return None  # transformers refuses it
+        self._prepare_special_tokens(gc, mask is not None, device=ids.device, batch_size=ids.shape[0])
+        ids = ids.repeat_interleave(copies, 0) if copies != 1 else ids
+        T0 = ids.shape[1]
+        gc = self._prepare_generated_length(generation_config=gc, has_default_max_length=default_max,
+                                            has_default_min_length=default_min, model_input_name="input_ids",
+                                            input_ids_length=T0, inputs_tensor=ids)
+        self._validate_generated_length(gc, T0, default_max)
+        procs = self._get_logits_processor(generation_config=gc, input_ids_seq_length=T0, encoder_input_ids=ids,
+                                           logits_processor=LogitsProcessorList(), device=ids.device,
+                                           model_kwargs={})
+        draw = dict(temperature=0.0)
+        if mode == GenerationMode.SAMPLE:  # the warpers Model.generate applies, in its order
+            draw, order = dict(temperature=1.0), (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+            ranks = [order.index(type(p)) if type(p) in order else -1 for p in procs]
+            if -1 in ranks or ranks != sorted(set(ranks)) or \
+                    any(getattr(p, "filter_value", -math.inf) != -math.inf for p in procs) or \
+                    any(getattr(p, "min_tokens_to_keep", 1) != 1 for p in procs if type(p) is TopPLogitsWarper):
+                return None
+            for p in procs:
+                if type(p) is TemperatureLogitsWarper:
+                    draw["temperature"] = float(p.temperature)
+                elif type(p) is TopKLogitsWarper:
+                    draw["top_k"] = int(p.top_k)
+                else:
+                    draw["top_p"] = float(p.top_p)
+        elif len(procs):
+            return None
+        max_length, eos = None, None
+        for c in self._get_stopping_criteria(generation_config=gc, stopping_criteria=StoppingCriteriaList()):
+            if type(c) is MaxLengthCriteria:
+                max_length = c.max_length
+            elif type(c) is EosTokenCriteria:
+                eos = torch.as_tensor(c.eos_token_id).view(-1).tolist()
+            else:
+                return None
+        if max_length is None or max_length <= T0:
+            return None
+        if eos:
+            draw.update(eos_id=eos, pad_id=int(gc._pad_token_tensor))
+        return ids.to(self.device), dict(max_new_tokens=max_length - T0, **draw), ids.device
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, plus the code files, so that a saved (or pushed)

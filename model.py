@@ -136,6 +136,21 @@ def each_sequence(fn, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state, outpu
     return torch.cat(outs, 1), (torch.cat(finals) if output_final_state else None)
 
 
+def float32_recurrence(fn):
+    """fn (a PyTorch backend) with autocast off: it computes in float32 (float64 for float64
+    inputs) as its inputs are cast, and as the Triton kernels do. Under bf16 autocast its einsums
+    and matmuls would run in bf16, rounding the float32 state (and the chunk form's matrices) at
+    every product, differently in the token loop and in the chunk form: the cached decoding
+    steps (token loop) then left the full forward (chunk form) by 1-2% of the logits at random
+    init (BENCHMARKS.md, decoding)."""
+    @functools.wraps(fn)
+    def run(q, *args, **kw):
+        with torch.autocast(q.device.type, enabled=False):
+            return fn(q, *args, **kw)
+    return run
+
+
+@float32_recurrence
 def delta_rule_naive(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None):
     """Token by token. The ground truth every other backend is tested against."""
@@ -143,7 +158,7 @@ def delta_rule_naive(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
         return each_sequence(delta_rule_naive, q, k, v, g, beta, ke, ve, cu_seqlens, initial_state,
                              output_final_state, scale=scale)
     B, T, H, K = q.shape
-    V = v.shape[-1]
+    V, out_dtype = v.shape[-1], v.dtype
     scale = K ** -0.5 if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     S = q.new_zeros(B, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
@@ -159,7 +174,10 @@ def delta_rule_naive(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_sta
         if ke is not None:                                                         # solver writes
             S = S + torch.einsum("bhlk,bhlv->bhkv", ke[:, t], ve[:, t])
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S))
-    o = torch.stack(out, 1).to(v.dtype)
+    # in v's dtype, as the chunk backend and the kernels return it: a bf16 step that kept its
+    # float32 output went on through the output norm unrounded, which the full forward rounds
+    # (the largest part of the bf16 gap between cached decoding and the full forward)
+    o = torch.stack(out, 1).to(out_dtype)
     return o, (S if output_final_state else None)
 
 
@@ -173,6 +191,7 @@ def chunk_decay(g, C):
     return g.view(B, N, C, H).cumsum(2)
 
 
+@float32_recurrence
 def delta_rule_chunk(q, k, v, g, beta, ke=None, ve=None, scale=None, initial_state=None,
                      output_final_state=False, chunk_size=64, cu_seqlens=None):
     """Chunk-parallel form of PRISM_SPEC §3 in PyTorch (autograd; any T; CPU or GPU).
@@ -416,11 +435,13 @@ class ShortConv(nn.Module):
             y = F.conv1d(xp.transpose(1, 2), weight[:, None, :], groups=C)
             return F.silu(y.transpose(1, 2))
         # tap s (s tokens back) reaches token t only within its segment; tokens before a row's
-        # first EOS reach back to the row start, before which there are zeros
+        # first EOS reach back to the row start, before which there are zeros. The taps are
+        # summed in float32 and rounded once, as F.conv1d above does (see cached)
         reach = seg.pos.masked_fill(seg.cont, w)                        # [B,T]
-        y = sum(xp[:, w - s:w - s + T] * weight[:, w - s] * (reach >= s)[..., None].to(x.dtype)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        y = sum(xp[:, w - s:w - s + T].to(acc) * weight[:, w - s].to(acc) * (reach >= s)[..., None].to(acc)
                 for s in range(w + 1))
-        return F.silu(y)
+        return F.silu(y.to(x.dtype))
 
     def cached(self, x, buf, reset):
         """PyTorch's form of prism_kernel.conv_step (CPU, and the PyTorch backends)."""
@@ -437,7 +458,12 @@ class ShortConv(nn.Module):
             kept = torch.arange(T - w, T, device=x.device) >= start[:, -1:]      # [B,w]
             last = last * kept[..., None].to(x.dtype)
         buf.copy_(last)
-        return F.silu((taps * self.weight.to(x.dtype)).sum(-1))
+        # products and sum in float32, rounded once to x's dtype: what F.conv1d gives the full
+        # forward (and the Triton kernels both forms). In bf16, products rounded to bf16 before
+        # the sum moved one bf16 ulp in about a third of the outputs, the first difference
+        # between cached decoding and the full forward (BENCHMARKS.md, decoding)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return F.silu((taps.to(acc) * self.weight.to(x.dtype).to(acc)).sum(-1).to(x.dtype))
 
 
 class GatedDeltaNet(nn.Module):
@@ -520,7 +546,11 @@ class GatedDeltaNet(nn.Module):
     def step(self, x, cache):
         """forward(x, cache=cache) of a few tokens on the Triton decoding kernels: one GEMM for
         every input projection, then a kernel each for the short conv, the recurrence (with the
-        q/k norm, the gates and PRISM's solver write inside) and the output norm and gate."""
+        q/k norm, the gates and PRISM's solver write inside) and the output norm and gate.
+        In bf16 it equals forward() less closely than the PyTorch backends' cached path does:
+        the chunk kernels' dots take bf16 operands where this step updates the float32 state in
+        float32, and its fused kernels round once where forward()'s separate ops round each
+        result (BENCHMARKS.md, decoding)."""
         pk = kernels()
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
@@ -1034,52 +1064,69 @@ class Model(nn.Module):
         return logits[:, -1]
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, eos_id=None, graph=None,
-                 state_dtype=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos_id=None,
+                 pad_id=None, graph=None, state_dtype=None):
         """Continue every row of idx [B,T] by max_new_tokens tokens; returns [B, T + n].
 
-        temperature 0 (or top_k=1) is greedy; else a draw from softmax(logits / temperature),
-        cut to the top_k tokens when given. With eos_id a row that drew it keeps it for the rest,
-        and decoding ends early once every row has (checked every EOS_CHECK tokens, the only host
-        syncs; n may then be less than max_new_tokens). The prompt goes through the cache with
-        the chunk kernels (prefill); each further token is one step of the whole model through the
-        cache (init_cache: static buffers, no reallocation), sampled on the device. On CUDA the
-        step is captured once in a CUDA graph and replayed per token (graph=False: eager steps).
+        temperature 0 is greedy (top_k=1 too, but for exact ties); else a draw from
+        softmax(logits / temperature), cut to the top_k tokens and then to the top_p nucleus
+        when given (filter_logits: the sets transformers' sampling keeps). eos_id (an id or a
+        list of ids) stops rows as transformers' generate does: a row that drew one takes pad_id
+        (default: the EOS, the first of several) for the rest, and decoding ends once every row
+        has (checked every EOS_CHECK tokens, the only host syncs); the result then ends with the
+        token at which the last row drew its EOS, so n may be less than max_new_tokens. The
+        prompt goes through the cache with the chunk kernels (prefill); each further token is
+        one step of the whole model through the cache (init_cache: static buffers, no
+        reallocation), sampled on the device. On CUDA the step is captured once in a CUDA graph
+        and replayed per token (graph=False: eager steps).
         Under autocast the buffers take the autocast dtype; state_dtype as in init_cache."""
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"generate: idx must be [B,T] token ids with T >= 1, got {tuple(idx.shape)}")
         B, T0 = idx.shape
-        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-            raise ValueError(f"generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 1 or None; "
-                             f"got {max_new_tokens}, {temperature}, {top_k}")
+        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1) or \
+                (top_p is not None and not 0 <= top_p <= 1):
+            raise ValueError(f"generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 1 or None, "
+                             f"0 <= top_p <= 1 or None; got {max_new_tokens}, {temperature}, {top_k}, {top_p}")
         if max_new_tokens == 0:
             return idx
         dev = idx.device
+        eos = None
+        if eos_id is not None:  # on the device before any capture: the step reads no host value
+            eos = torch.as_tensor(eos_id, dtype=torch.long, device=dev).view(-1)
+            if eos.numel() == 0:
+                eos = None
+        pad = None if eos is None or pad_id is None else torch.as_tensor(pad_id, dtype=torch.long, device=dev)
         autocast = torch.is_autocast_enabled(dev.type)
         dtype = torch.get_autocast_dtype(dev.type) if autocast else self.wte.weight.dtype
         cache = self.init_cache(B, T0 + max_new_tokens, dev, dtype, state_dtype)
         seq = idx.new_empty(B, T0 + max_new_tokens)
         seq[:, :T0] = idx
-        done = torch.zeros(B, dtype=torch.bool, device=dev) if eos_id is not None else None
-        seq[:, T0] = sample_next(self.prefill(idx, cache), temperature, top_k, eos_id, done)
-        step = self.decode_step(seq, cache, temperature, top_k, eos_id, done)
+        done = torch.zeros(B, dtype=torch.bool, device=dev) if eos is not None else None
+        draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos, done=done, pad_id=pad)
+        seq[:, T0] = sample_next(self.prefill(idx, cache), **draw)
+        step = self.decode_step(seq, cache, **draw)
         n = 1
         if (dev.type == "cuda" if graph is None else graph) and max_new_tokens > 1 + GRAPH_WARMUP:
             step = cuda_graph(step, GRAPH_WARMUP)
             n += GRAPH_WARMUP
-        while n < max_new_tokens and not (eos_id is not None and n % EOS_CHECK == 0 and bool(done.all())):
+        while n < max_new_tokens and not (eos is not None and n % EOS_CHECK == 0 and bool(done.all())):
             step()
             n += 1
+        if eos is not None and bool(done.all()):
+            # end where the last row drew its EOS (as transformers does), not at the check after it
+            hit = (seq[:, T0:T0 + n, None] == eos).any(-1)
+            n = int(hit.int().argmax(1).max()) + 1
         return seq[:, :T0 + n]
 
-    def decode_step(self, seq, cache, temperature=1.0, top_k=None, eos_id=None, done=None):
+    def decode_step(self, seq, cache, temperature=1.0, top_k=None, top_p=None, eos_id=None, done=None,
+                    pad_id=None):
         """One decoding step as a function of no arguments, all on the device: it feeds
         seq[:, cache.pos] (the last drawn token) through the cache and draws the next token into
         seq[:, cache.pos + 1] (sample_next). This is what generate captures in a CUDA graph."""
         def step():
             tok = seq.index_select(1, cache.pos.view(1))
             logits, _ = self(tok, cache=cache, last_only=True)
-            nxt = sample_next(logits[:, -1], temperature, top_k, eos_id, done)
+            nxt = sample_next(logits[:, -1], temperature, top_k, top_p, eos_id, done, pad_id)
             seq.index_copy_(1, cache.pos.view(1), nxt[:, None])
         dev = seq.device.type
         if not torch.is_autocast_enabled(dev):
@@ -1330,23 +1377,43 @@ def stacked_weights(owner, name, layers, dtype):
     return memoised(owner, (name, dtype), params, build)
 
 
-def sample_next(logits, temperature=1.0, top_k=None, eos_id=None, done=None):
+def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
+    """logits [B, vocab] as float32 / temperature, with -inf outside the tokens a draw may take:
+    the top_k largest (ties at the k-th kept), then of those the nucleus, the smallest set whose
+    probability sums to >= top_p (always at least one token). Computed as transformers'
+    TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper compute it (the same sort and
+    cumulative sum), so a draw can take exactly the tokens that transformers' sampling can."""
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None and top_p < 1.0:
+        # ascending: a token goes when the tokens up to and including it hold <= 1 - top_p
+        # of the mass, i.e. when those above it already hold >= top_p; the largest never goes
+        sorted_logits, order = torch.sort(logits, descending=False)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1:] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), -math.inf)
+    return logits
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, eos_id=None, done=None, pad_id=None):
     """The next token per row from logits [B, vocab], on the device with no host sync: greedy
-    for temperature 0 or top_k 1, else softmax(logits / temperature) over the top_k. With
-    eos_id, rows marked in `done` [B] bool repeat it, and rows that draw it are marked."""
-    if temperature == 0 or top_k == 1:
+    for temperature 0, else a draw from softmax(filter_logits(...)) (top_k, top_p; top_k 1 is
+    greedy too, up to exact ties for the largest logit, which it draws among as transformers does).
+    With eos_id (an id, or a 1-D tensor of ids on the device) rows marked in `done` [B] bool
+    take pad_id (default: the EOS, the first of several), and rows that draw an EOS are marked."""
+    if temperature == 0:
         nxt = logits.argmax(-1)
     else:
-        logits = logits.float() / temperature
-        if top_k is not None and top_k < logits.shape[-1]:
-            kth = torch.topk(logits, top_k).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, -math.inf)
-        probs = F.softmax(logits, -1)
+        probs = F.softmax(filter_logits(logits, temperature, top_k, top_p), -1)
         # argmax of p / Exp(1) noise is a draw from p (torch.multinomial would sync the host)
         nxt = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
     if eos_id is not None:
-        nxt = torch.where(done, eos_id, nxt)
-        done |= nxt == eos_id
+        eos = torch.as_tensor(eos_id, device=nxt.device).view(-1)
+        pad = eos[0] if pad_id is None else pad_id
+        nxt = torch.where(done, pad, nxt)
+        done |= (nxt[:, None] == eos).any(-1)
     return nxt
 
 

@@ -35,8 +35,7 @@ def read_prompt(start):
     return start
 
 
-
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip() +
                                 "\n\nRuns on a CUDA GPU when there is one, else on the CPU.", formatter_class=HelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint file (out_dir/ckpt.pt) or an export_hf.py directory")
@@ -45,6 +44,8 @@ def main(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=200, help="tokens generated per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=200, help="0 = no top-k cut")
+    p.add_argument("--top_p", type=float, default=1.0,
+                   help="nucleus: draw from the smallest set of tokens holding this much probability (1 = no cut)")
     p.add_argument("--seed", type=int, default=1337, help="torch seed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
@@ -53,9 +54,34 @@ def main(argv=None):
                    help="dtype of the GDN/PRISM states between tokens (bfloat16: half the bytes per step)")
     p.add_argument("--tokenizer", default=None, help="tokenizer file (default: tokenizer.py's Mistral model)")
     args = p.parse_args(argv)
-    if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-        p.error("num_samples and max_new_tokens must be >= 1, temperature and top_k >= 0")
+    if args.num_samples < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or \
+            not 0 < args.top_p <= 1:
+        p.error("num_samples and max_new_tokens must be >= 1, temperature and top_k >= 0, top_p in (0, 1]")
+    return args
 
+
+def decoding_context(args):
+    """What samples are drawn under: autocast in --dtype on CUDA, and SDPA kept off cuDNN's
+    attention, which re-plans for every new KV length (~3 ms per layer step)."""
+    ctx = ExitStack()
+    if "cuda" in args.device:
+        if args.dtype != "float32":
+            ctx.enter_context(torch.autocast("cuda", dtype=getattr(torch, args.dtype)))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        ctx.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                       SDPBackend.MATH]))
+    return ctx
+
+
+def draw(model, x, args, eos_id):
+    """One sample: the prompt x [1, T] continued by Model.generate with the flags' settings."""
+    with torch.no_grad():
+        return model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                              top_p=args.top_p, eos_id=eos_id, state_dtype=getattr(torch, args.state_dtype))
+
+
+def main(argv=None):
+    args = parse_args(argv)
     from tokenizer import load_tokenizer
     torch.manual_seed(args.seed)
     torch.cuda.manual_seed(args.seed)
@@ -66,30 +92,17 @@ def main(argv=None):
     except RuntimeError as e:  # no tokenizer found: offline, and no mistral-common
         raise ValueError(f"{e} (--tokenizer)")
     check_vocab(tok, model)
-    ctx = ExitStack()
-    if "cuda" in args.device:
-        if args.dtype != "float32":
-            ctx.enter_context(torch.autocast("cuda", dtype=getattr(torch, args.dtype)))
-        # keep SDPA off cuDNN attention: it re-plans for every new KV length (~3 ms per layer step)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        ctx.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                       SDPBackend.MATH]))
-
     ids = [tok.eos_id] + tok.encode(read_prompt(args.start))
     if len(ids) + args.max_new_tokens > model.config.block_size and \
             any(b.mixer_name == "attention" for b in model.blocks):
         print(f"note: generating past block_size={model.config.block_size}; attention layers "
               "were not trained at these positions", file=sys.stderr)
     x = torch.tensor([ids], dtype=torch.long, device=args.device)
-    with ctx:
+    with decoding_context(args):
         for i in range(args.num_samples):
             # a header line the model does not write (it can write a line of dashes)
             print(f"=== sample {i + 1}/{args.num_samples} ===")
-            with torch.no_grad():
-                y = model.generate(x, args.max_new_tokens, temperature=args.temperature,
-                                   top_k=args.top_k or None, eos_id=tok.eos_id,
-                                   state_dtype=getattr(torch, args.state_dtype))
-            out = y[0, 1:].tolist()  # drop the document-start token
+            out = draw(model, x, args, tok.eos_id)[0, 1:].tolist()  # drop the document-start token
             if tok.eos_id in out[len(ids) - 1:]:  # stop at the end of the document
                 out = out[:out.index(tok.eos_id, len(ids) - 1)]
             print(tok.decode(out), flush=True)

@@ -36,7 +36,8 @@ Requests are sorted by length (longest first, as HFLM) and batched with right pa
 is causal, so padding after a sequence cannot change the logits of its positions (tested). On
 CUDA the forward runs under bf16 autocast and the scored positions' logits are recomputed in
 float32 from the final hidden state; log-softmax is always float32, sums float64.
-generate_until decodes with model.generate (greedy unless a task samples), then cuts at the stop strings.
+generate_until decodes with model.generate (greedy unless a task samples, with its temperature,
+top_k and top_p), then cuts at the stop strings.
 """
 import argparse
 import datetime
@@ -71,7 +72,8 @@ DEFAULT_TASKS = list(task_data.TASK_YAMLS)  # wikitext, lambada_openai and the z
 class PrismLM(TemplateLM):
     """lm-eval LM over a model.py Model (or anything with .config.block_size,
     forward(idx) -> (logits [B,T,V], _) and, for generation tasks, Model.generate's
-    generate(idx, n, temperature=, eos_id=)) and any tokenizer with encode/decode/eos_id.
+    generate(idx, n, temperature=, eos_id=), plus top_k= / top_p= when a sampling task sets
+    them) and any tokenizer with encode/decode/eos_id.
 
     Registered as "prism": code that imports this module can also call
     simple_evaluate(model="prism", model_args="ckpt=PATH,batch_size=64", tasks=[...]).
@@ -248,20 +250,25 @@ class PrismLM(TemplateLM):
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kw.get("max_gen_toks", kw.get("max_new_tokens", self.max_gen_toks)))
-            temp = float(kw.get("temperature", 0.0)) if kw.get("do_sample", False) else 0.0
+            sampled = bool(kw.get("do_sample", False))
+            temp = float(kw.get("temperature", 0.0)) if sampled else 0.0
+            cut = ()  # top_k 0 is no cut, as in transformers
+            if sampled:
+                cut = tuple((k, v) for k, v in (("top_k", kw.get("top_k") or None), ("top_p", kw.get("top_p")))
+                            if v is not None)
             if max_new >= self.max_length:
                 raise ValueError(f"max_gen_toks {max_new} must be < max_length {self.max_length}")
             ctx = self.tok_encode(context)[-(self.max_length - max_new):]
-            jobs.setdefault((len(ctx), max_new, tuple(until), temp), []).append((n, ctx))
+            jobs.setdefault((len(ctx), max_new, tuple(until), temp, cut), []).append((n, ctx))
         out = [None] * len(requests)
         eos = self.eot_token_id
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until", unit="req")
-        for (T, max_new, until, temp), items in jobs.items():
+        for (T, max_new, until, temp, cut), items in jobs.items():
             for b in range(0, len(items), self.batch_size):
                 chunk = items[b:b + self.batch_size]
                 x = torch.tensor([c for _, c in chunk], dtype=torch.long, device=self._device)
                 with torch.no_grad(), self._autocast():
-                    y = self.model.generate(x, max_new, temperature=temp, eos_id=eos)
+                    y = self.model.generate(x, max_new, temperature=temp, eos_id=eos, **dict(cut))
                 for (n, _), toks in zip(chunk, y[:, T:].tolist()):
                     s = self.tok_decode(toks[:toks.index(eos)] if eos in toks else toks)
                     for u in until:  # cut at the first stop string, as HFLM does

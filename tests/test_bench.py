@@ -170,3 +170,25 @@ def test_gpu_test_runner_runs_exclusive_tests_alone(tmp_path):
         r.stdout + r.stderr
     order = [line.split()[-3] for line in r.stdout.splitlines() if line.startswith("[")]
     assert [t.rpartition("::")[2].startswith("test_big") for t in order] == [False] * 3 + [True] * 2, order
+
+
+def test_decode_front_ends_run_on_cpu_and_write_the_json(tmp_path):
+    """bench/bench_decode.py --front_ends on CPU with tiny models: every front end (Model.generate,
+    the export's generate() and transformers' loop over it, sample.py, the lm-eval adapter) runs
+    on one checkpoint per model and lands in the JSON, against Model.generate."""
+    out = tmp_path / "front_ends.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    r = subprocess.run([sys.executable, "bench/bench_decode.py", "--front_ends", "--device", "cpu", "--tiny",
+                        "--models", "gdn,hybrid", "--prompt", "8", "--new_tokens", "6", "--reps", "1",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.load(open(out))
+    assert report["device"] == "cpu" and report["tiny"] is True and "| front end |" in report["table"]
+    ends = ["Model.generate", "export generate()", "export generate(), transformers' loop", "sample.py",
+            "lm-eval generate_until"]
+    assert [(x["model"], x["front_end"]) for x in report["rows"]] == [(m, e) for m in ("gdn", "hybrid") for e in ends]
+    for row in report["rows"]:
+        assert "error" not in row, row
+        assert row["new_tokens"] == 6 and row["tok_s"] > 0 and row["vs_model_generate"] > 0
+    assert [x["vs_model_generate"] for x in report["rows"] if x["front_end"] == "Model.generate"] == [1.0, 1.0]

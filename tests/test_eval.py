@@ -391,6 +391,13 @@ def test_generate_until():
         if TOK.eos_id in y:
             y = y[:y.index(TOK.eos_id)]
         assert g == TOK.decode(y)
+    # a sampling task's temperature, top_k and top_p reach model.generate
+    seen = []
+    real = model.generate
+    model.generate = lambda *a, **kw: seen.append(kw) or real(*a, **kw)
+    sampled = {"until": [], "max_gen_toks": 6, "do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1e-9}
+    assert lm.generate_until([Instance("generate_until", {}, (ctxs[0], sampled), 0)], disable_tqdm=True) == got[:1]
+    assert seen[-1]["temperature"] == 0.7 and seen[-1]["top_p"] == 1e-9 and "top_k" not in seen[-1]
 
 
 # ------------------------------------------------------------------ checkpoints and the CLI

@@ -5,6 +5,10 @@ Checked, on GDN, PRISM, hybrid and transformer checkpoints exported to directori
   * AutoModelForCausalLM logits equal model.py's; the tied head is stored once;
   * generate() runs on model.py's cache (PrismCache) and its greedy tokens equal Model.generate's
     and sample.py's; cached steps equal a full forward; beam search reorders the state;
+  * generate()'s fast path (Model.generate): greedy equals transformers' own loop token for token,
+    EOS rows padded as it pads them, sampling seeded and within transformers' top-k/top-p sets (and
+    in their proportions), generation_config defaults as transformers resolves them, and every
+    request it does not take gives transformers' result;
   * padding: right padding scores right, left padding and padded generate() raise;
   * lm-eval's own `hf` model gives eval/'s loglikelihoods and perplexities (local tasks);
   * the directory loads in a fresh interpreter without this repo, names no import that a
@@ -14,6 +18,7 @@ Checked, on GDN, PRISM, hybrid and transformer checkpoints exported to directori
 """
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -266,11 +271,231 @@ def test_sampling_runs_on_the_cache(exports):
     _, path, _ = exports["gdn"]
     hf = hf_model(path)
     ids = random_ids(1, 5)
+    kw = dict(max_new_tokens=6, do_sample=True, top_k=50, num_return_sequences=3)
     torch.manual_seed(0)
-    a = hf.generate(ids, max_new_tokens=6, do_sample=True, top_k=50, num_return_sequences=3)
+    a = transformers_generate(hf, ids, **kw)  # transformers' loop, on PrismCache
     torch.manual_seed(0)
-    b = hf.generate(ids, max_new_tokens=6, do_sample=True, top_k=50, num_return_sequences=3, use_cache=False)
+    b = hf.generate(ids, use_cache=False, **kw)
     assert a.shape[0] == 3 and torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------ generate(): fast path
+def transformers_generate(hf, *args, **kwargs):
+    """transformers' own generate on the model (its Python loop over forward()), whatever
+    PrismForCausalLM.generate would choose."""
+    from transformers import GenerationMixin
+    return GenerationMixin.generate(hf, *args, **kwargs)
+
+
+@pytest.fixture
+def fast_calls(monkeypatch):
+    """Records the arguments of every Model.generate call that a PrismForCausalLM.generate makes."""
+    calls = []
+
+    def spy(hf):
+        inner = hf.model.generate
+        monkeypatch.setattr(hf.model, "generate", lambda *a, **k: calls.append(k) or inner(*a, **k))
+        return hf
+    return calls, spy
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fast_generate_greedy_equals_transformers_loop(exports, variant, fast_calls):
+    from transformers import GenerationConfig
+    calls, spy = fast_calls
+    hf = spy(hf_model(exports[variant][1]))
+    ids = random_ids(2, 7, seed=11)  # two prompts of equal length
+    requests = [dict(max_new_tokens=12, do_sample=False), dict(max_length=15),
+                dict(max_new_tokens=9, attention_mask=torch.ones_like(ids)),
+                dict(generation_config=GenerationConfig(max_new_tokens=8, eos_token_id=TOK.eos_id,
+                                                        pad_token_id=TOK.sp.unk_id())),
+                dict()]  # model.generation_config alone: greedy, transformers' default length
+    for kw in requests:
+        calls.clear()
+        got = hf.generate(ids, **kw)
+        assert len(calls) == 1 and calls[0]["temperature"] == 0, (kw, calls)
+        want = transformers_generate(hf, ids, **kw)
+        assert got.dtype == torch.long and torch.equal(got, want), kw
+    assert hf.generate(input_ids=ids, max_new_tokens=3).shape == (2, 10)
+    hf.fast_generate = False
+    try:
+        calls.clear()
+        assert torch.equal(hf.generate(ids, max_new_tokens=5), want[:, :12]) and not calls
+    finally:
+        hf.fast_generate = True
+
+
+def test_fast_generate_eos_rows_padded_as_transformers_pads_them(exports, fast_calls):
+    calls, spy = fast_calls
+    hf = spy(hf_model(exports["prism"][1]))
+    ids = random_ids(3, 6, seed=12)
+    plain = transformers_generate(hf, ids, max_new_tokens=10, eos_token_id=None)
+    a, b = int(plain[0, 6 + 2]), int(plain[1, 6 + 4])  # row 0's 3rd new token, row 1's 5th
+    for kw in (dict(eos_token_id=a), dict(eos_token_id=[5, a, b], pad_token_id=7),
+               dict(eos_token_id=[a, b, int(plain[2, 6])])):  # every row ends: the result is shorter
+        calls.clear()
+        got = hf.generate(ids, max_new_tokens=10, **kw)
+        want = transformers_generate(hf, ids, max_new_tokens=10, **kw)
+        assert len(calls) == 1 and torch.equal(got, want), (kw, got, want)
+    assert want.shape[1] < 6 + 10
+    pad = 7
+    got = hf.generate(ids, max_new_tokens=10, eos_token_id=[5, a, b], pad_token_id=pad)
+    row0 = plain[0, :6 + 10].tolist()
+    cut = 6 + min(i for i, t in enumerate(row0[6:]) if t in (5, a, b)) + 1
+    assert got[0].tolist() == row0[:cut] + [pad] * (got.shape[1] - cut)
+    one = hf.generate(ids[:1], max_new_tokens=10, eos_token_id=a)  # one row: ends with its EOS
+    assert one[0, -1] == a and one.shape[1] <= 6 + 3
+
+
+def small_vocab_model(seed=0, vocab=61):
+    """A PrismForCausalLM built in memory (no export, no tokenizer) with a small vocabulary and
+    weights scaled up so that its next-token distributions are peaked: allowed sets are small."""
+    from hf_modeling import PrismConfig, PrismForCausalLM
+    cfg = PrismConfig(**dataclasses.asdict(tiny_config(mixer="prism", vocab_size=vocab)),
+                      eos_token_id=vocab - 1, pad_token_id=0, bos_token_id=vocab - 1)
+    torch.manual_seed(seed)
+    hf = PrismForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)
+    return hf
+
+
+def hand_allowed(logits, temperature, top_k, top_p):
+    """The tokens transformers may draw, written out: logits / temperature, the top_k largest
+    (ties at the k-th kept), then by falling probability until the kept ones hold top_p."""
+    x = (logits.double() / temperature).tolist()
+    ranked = sorted(range(len(x)), key=lambda i: -x[i])
+    if top_k:
+        ranked = [i for i in ranked if x[i] >= x[ranked[top_k - 1]]]
+    z = sum(math.exp(x[i] - x[ranked[0]]) for i in ranked)
+    keep, mass = set(), 0.0
+    for i in ranked:
+        keep.add(i)
+        mass += math.exp(x[i] - x[ranked[0]]) / z
+        if mass >= top_p - 1e-9:
+            break
+    return keep
+
+
+def test_filter_logits_equals_transformers_warpers():
+    """model.filter_logits (Model.generate's sampling) keeps exactly transformers' sets:
+    temperature, top-k (with ties at the k-th) and top-p, alone and together."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    from model import filter_logits
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 61, generator=g) * 3
+    logits[:8, :5] = logits[:8, :1]  # exact ties, around the k-th too
+    logits[8:16] = (logits[8:16] * 2).round() / 2
+    for temperature, top_k, top_p in [(1.0, 5, None), (0.7, None, 0.9), (1.3, 10, 0.5), (1.0, 1, None),
+                                      (0.5, None, 0.0), (1.0, 61, 0.999), (2.0, 3, 1.0)]:
+        want = logits.clone()
+        if temperature != 1.0:
+            want = TemperatureLogitsWarper(temperature)(None, want)
+        if top_k:
+            want = TopKLogitsWarper(top_k)(None, want)
+        if top_p is not None and top_p < 1.0:
+            want = TopPLogitsWarper(top_p)(None, want)
+        got = filter_logits(logits, temperature, top_k, top_p)
+        assert torch.equal(got.isfinite(), want.isfinite()), (temperature, top_k, top_p)
+        assert torch.allclose(got[got.isfinite()], want[want.isfinite()])
+
+
+def test_fast_generate_sampling_is_seeded_and_draws_only_allowed_tokens(fast_calls):
+    calls, spy = fast_calls
+    hf = spy(small_vocab_model())
+    ids = torch.randint(1, 60, (4, 5), generator=torch.Generator().manual_seed(3))
+    sizes = []
+    for temperature, top_k, top_p in [(1.0, 4, 1.0), (0.8, 0, 0.7), (1.5, 6, 0.8)]:
+        kw = dict(max_new_tokens=8, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                  eos_token_id=None)
+        draws = []
+        for seed in (1, 1, 2):
+            torch.manual_seed(seed)
+            calls.clear()
+            draws.append(hf.generate(ids, **kw))
+            assert len(calls) == 1
+        assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+        with torch.no_grad():
+            full = hf(draws[0][:, :-1]).logits[:, ids.shape[1] - 1:]  # what each new token was drawn from
+        for row in range(ids.shape[0]):
+            for t in range(8):
+                keep = hand_allowed(full[row, t], temperature, top_k, top_p)
+                sizes.append(len(keep))
+                assert int(draws[0][row, ids.shape[1] + t]) in keep, (temperature, top_k, top_p, row, t)
+    assert 1 < max(sizes) < 61 // 2  # the sets were neither everything nor a single token
+
+
+def test_fast_generate_samples_transformers_distribution(fast_calls):
+    """The first new token of many copies of one prompt: drawn in the proportions of
+    softmax(transformers' warpers(logits)), num_return_sequences taken as transformers takes it."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    calls, spy = fast_calls
+    hf = spy(small_vocab_model(seed=1))
+    hf.model.backend = "naive"  # 4000 rows of 4 tokens: the token loop, not chunks padded to 64
+    ids = torch.tensor([[60, 5, 9, 14]])
+    n = 4000
+    torch.manual_seed(0)
+    out = hf.generate(ids, max_new_tokens=1, do_sample=True, top_k=8, top_p=0.9, num_return_sequences=n)
+    assert len(calls) == 1 and out.shape == (n, 5) and torch.equal(out[:, :4], ids.expand(n, 4))
+    with torch.no_grad():
+        logits = hf(ids).logits[:, -1]
+    probs = TopPLogitsWarper(0.9)(None, TopKLogitsWarper(8)(None, logits)).softmax(-1)[0]
+    freq = torch.bincount(out[:, -1], minlength=61).double() / n
+    assert (freq[probs == 0] == 0).all() and (probs > 0).sum() > 2
+    assert (freq - probs).abs().max() < 0.03, (freq[probs > 0], probs[probs > 0])
+
+
+def test_generation_config_defaults_choose_the_mode(fast_calls, monkeypatch):
+    """model.generation_config decides, the call's arguments override it, as in transformers."""
+    calls, spy = fast_calls
+    hf = spy(small_vocab_model())
+    ids = torch.randint(1, 60, (2, 4), generator=torch.Generator().manual_seed(4))
+    hf.generate(ids, max_new_tokens=3)
+    assert calls[-1]["temperature"] == 0  # the default generation_config: greedy
+    monkeypatch.setattr(hf.generation_config, "do_sample", True)
+    monkeypatch.setattr(hf.generation_config, "top_k", 7)
+    monkeypatch.setattr(hf.generation_config, "temperature", 0.6)
+    hf.generate(ids, max_new_tokens=3)
+    assert calls[-1]["temperature"] == 0.6 and calls[-1]["top_k"] == 7 and "top_p" not in calls[-1]
+    hf.generate(ids, max_new_tokens=3, top_p=0.5, temperature=1.0)
+    assert calls[-1]["temperature"] == 1.0 and calls[-1]["top_k"] == 7 and calls[-1]["top_p"] == 0.5
+    n = len(calls)
+    got = hf.generate(ids, max_new_tokens=3, do_sample=False)
+    assert calls[-1]["temperature"] == 0 and len(calls) == n + 1
+    assert torch.equal(got, transformers_generate(hf, ids, max_new_tokens=3, do_sample=False))
+
+
+def test_unsupported_requests_fall_back_to_transformers(exports, fast_calls):
+    """Anything Model.generate does not compute alike runs transformers' loop, with its result."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+    from transformers.generation.logits_process import MinLengthLogitsProcessor
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+    calls, spy = fast_calls
+    hf = spy(hf_model(exports["hybrid"][1]))
+    ids = random_ids(2, 6, seed=13)
+    eos = int(transformers_generate(hf, ids, max_new_tokens=6)[0, 6 + 1])
+    base = dict(max_new_tokens=6, eos_token_id=eos)
+    for kw in (dict(repetition_penalty=1.5), dict(min_new_tokens=4), dict(min_length=9),
+               dict(no_repeat_ngram_size=2), dict(bad_words_ids=[[eos]]), dict(num_beams=2),
+               dict(suppress_tokens=[eos]), dict(use_cache=False),
+               dict(logits_processor=LogitsProcessorList([MinLengthLogitsProcessor(10, eos)])),
+               dict(stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(9)]))):
+        calls.clear()
+        got = hf.generate(ids, **base, **kw)
+        assert not calls, kw
+        assert torch.equal(got, transformers_generate(hf, ids, **base, **kw)), kw
+    calls.clear()
+    out = hf.generate(ids, **base, return_dict_in_generate=True, output_scores=True)
+    assert not calls and len(out.scores) == out.sequences.shape[1] - 6
+    assert torch.equal(out.sequences, hf.generate(ids, **base))  # the same tokens either way
+    torch.manual_seed(0)
+    a = hf.generate(ids, **base, do_sample=True, min_p=0.1)
+    torch.manual_seed(0)
+    assert torch.equal(a, transformers_generate(hf, ids, **base, do_sample=True, min_p=0.1))
+    assert len(calls) == 1  # only the plain call above took Model.generate
 
 
 def test_labels_loss_is_shifted_cross_entropy(exports):

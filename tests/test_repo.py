@@ -28,6 +28,7 @@ SCRIPTS = {
     "bench/profile_model.py": ("main", ["Needs a CUDA GPU"]),
     "bench/bench_varlen.py": ("main", ["Needs a CUDA GPU"]),
     "bench/bench_decode.py": ("main", ["needs a CUDA GPU"]),
+    "bench/bench_bf16_gap.py": ("main", []),
     "bench/realtext_seeds.py": ("main", ["Needs a CUDA GPU"]),
 }
 
