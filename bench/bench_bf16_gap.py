@@ -51,7 +51,8 @@ SHIPPED = {"naive": M.delta_rule_naive, "chunk": M.delta_rule_chunk, "cached": M
 
 
 def _conv_products_bf16(self, x, buf, reset):
-    """ShortConv.cached with each tap's product rounded to x's dtype before the sum."""
+    """ShortConv.cached with each tap's product rounded to x's dtype before the sum (without its
+    segment resets: this comparison has no EOS in it)."""
     W = self.width
     xp = torch.cat([buf.to(x.dtype), x], 1)
     buf.copy_(xp[:, x.shape[1]:])
